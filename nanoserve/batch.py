@@ -1,0 +1,83 @@
+"""The flat batch of one step: every scheduled request's current tokens laid end to end.
+
+This is the walkthrough's picture in code. `build_batch` turns the scheduler's plan into it; the
+model and the attention kernels read it. Nothing else carries attention inputs: no globals.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanoserve.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's flattened input. B requests, N tokens in all.
+
+    Walkthrough step 1 (block_size 4, three prompts of 5, 7 and 3 tokens):
+        input_ids       = [1,2,3,4,5, 1,6,5,7,8,9,10, 1,12,13]       # [N]
+        positions       = [0,1,2,3,4, 0,1,2,3,4,5,6,  0,1,2]          # [N]
+        slot_mapping    = [4,5,6,7,8, 12,...,18,      20,21,22]       # [N] block_id * block_size + offset
+        query_start_loc = [0,5,12,15]                                 # [B+1] where each request's tokens start
+        seq_lens        = [5,7,3]                                     # [B] tokens in the KV cache after this step
+        block_tables    = [[1,2],[3,4],[5,0]]                         # [B, max_blocks], padded with null block 0
+    """
+    input_ids: torch.Tensor        # [N] int64
+    positions: torch.Tensor        # [N] int64
+    slot_mapping: torch.Tensor     # [N] int64
+    query_start_loc: torch.Tensor  # [B+1] int32, cumulative query lengths (flash-attn's cu_seqlens_q)
+    seq_lens: torch.Tensor         # [B] int32, context length of each request after this step
+    cu_seqlens_k: torch.Tensor     # [B+1] int32, cumulative seq_lens (flash-attn's cu_seqlens_k)
+    block_tables: torch.Tensor     # [B, max_blocks] int32
+    logits_indices: torch.Tensor   # [S] int64, rows of the last token of each request that samples now
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every request brings exactly one new token: the decode fast path applies."""
+        return self.max_query_len == 1
+
+
+def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, device: torch.device) -> Batch:
+    """Flatten the scheduled requests' current tokens into one Batch. A pure function.
+
+    Request r runs its tokens [num_computed_tokens, num_computed_tokens + num_new): a whole prompt,
+    a prompt chunk, or one decode token. Positions restart for every request.
+    """
+    input_ids: list[int] = []
+    query_lens, seq_lens, samples = [], [], []
+    for seq, num_new in scheduled:
+        start = seq.num_computed_tokens
+        input_ids += seq.token_ids[start:start + num_new]
+        query_lens.append(num_new)
+        seq_lens.append(start + num_new)
+        samples.append(start + num_new == seq.num_tokens)  # its last token runs: sample from it
+    query_lens_np, seq_lens_np = np.array(query_lens), np.array(seq_lens)
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens_np)])
+    # Token t belongs to request req[t]; its position counts on from that request's computed tokens.
+    req = np.repeat(np.arange(len(scheduled)), query_lens_np)
+    positions = np.arange(len(input_ids)) - query_start_loc[req] + (seq_lens_np - query_lens_np)[req]
+    block_tables = np.zeros((len(scheduled), max(len(seq.block_table) for seq, _ in scheduled)), np.int32)
+    for r, (seq, _) in enumerate(scheduled):
+        block_tables[r, :len(seq.block_table)] = seq.block_table  # the rest stays 0, the null block
+    slot_mapping = block_tables[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    logits_indices = query_start_loc[1:][np.array(samples, dtype=bool)] - 1
+
+    def tensor(array: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(array), dtype=dtype).to(device, non_blocking=True)
+    return Batch(
+        input_ids=tensor(input_ids, torch.int64),
+        positions=tensor(positions, torch.int64),
+        slot_mapping=tensor(slot_mapping, torch.int64),
+        query_start_loc=tensor(query_start_loc, torch.int32),
+        seq_lens=tensor(seq_lens_np, torch.int32),
+        cu_seqlens_k=tensor(np.concatenate([[0], np.cumsum(seq_lens_np)]), torch.int32),
+        block_tables=tensor(block_tables, torch.int32),
+        logits_indices=tensor(logits_indices, torch.int64),
+        max_query_len=int(query_lens_np.max()),
+        max_seq_len=int(seq_lens_np.max()),
+    )

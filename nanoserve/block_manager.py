@@ -1,0 +1,123 @@
+"""The paged KV cache's bookkeeping (PagedAttention), in plain Python: no tensors here.
+
+The KV cache is cut into `num_blocks` blocks of `block_size` slots; token t of a request lives in
+slot `block_table[t // block_size] * block_size + t % block_size` (the walkthrough's slot_mapping).
+
+Invariants:
+- Block 0 is the null block: never handed out, so 0 can pad a block table.
+- A block is in the free queue iff its ref_cnt is 0. ref_cnt counts the block tables that hold it.
+- Free blocks are handed out first-in first-out, and a freed block keeps its KV: if it is full and
+  hashed it stays findable in the prefix cache until it is handed out again (evicted). So the free
+  queue is also the least-recently-used order of the cache.
+- Prefix caching: a full block is keyed by a hash chained over (parent block's hash, its tokens),
+  so one key names the whole prefix up to and including that block. A hit is verified against the
+  block's tokens, so a hash collision can only cost a miss, never a wrong answer.
+- Shared blocks are full, hence read-only: a request only ever writes into its own last blocks.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from nanoserve.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    hash: int | None = None                  # set once the block is full and its KV computed
+    token_ids: tuple[int, ...] | None = None  # the tokens behind `hash`, to verify a hit
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # An OrderedDict as a queue that can also drop a block from its middle (a cache hit).
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.cached_blocks: dict[int, int] = {}  # hash -> block_id
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks that hold seq's leading full blocks, in order.
+
+        Only blocks before the last token are looked up: the last token is always recomputed, so
+        even a full hit leaves one token to run and yields logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent = None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = hash_block(parent, tokens)
+            block_id = self.cached_blocks.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate(self, seq: Sequence, num_tokens: int, cached_prefix: list[int] | None = None) -> bool:
+        """Grow seq's block table (append-only) to cover `num_tokens` slots.
+
+        `cached_prefix` (from find_cached_prefix, for a request with no blocks yet) is shared
+        first. Returns False, changing nothing, when there are not enough free blocks.
+        """
+        cached_prefix = cached_prefix or []
+        num_needed = -(-num_tokens // self.block_size) - len(seq.block_table) - len(cached_prefix)
+        num_revived = sum(self.blocks[b].ref_cnt == 0 for b in cached_prefix)  # hits in the free queue
+        if max(num_needed, 0) + num_revived > self.num_free_blocks:
+            return False
+        for block_id in cached_prefix:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self.free_queue[block_id]
+            block.ref_cnt += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(block.hash)
+        for _ in range(num_needed):
+            block_id, _ = self.free_queue.popitem(last=False)
+            self.evict(self.blocks[block_id])
+            self.blocks[block_id].ref_cnt = 1
+            seq.block_table.append(block_id)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Return seq's blocks. Its last blocks go to the queue first: they are the least likely
+        to be shared, so they are evicted before the prefix they extend."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register seq's blocks that are now full and computed in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        for i in range(len(seq.block_hashes), num_full):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block_hash = hash_block(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            seq.block_hashes.append(block_hash)
+            if block_hash not in self.cached_blocks:  # else the same prefix is cached elsewhere
+                block = self.blocks[seq.block_table[i]]
+                block.hash, block.token_ids = block_hash, tokens
+                self.cached_blocks[block_hash] = block.block_id
+
+    def evict(self, block: Block) -> None:
+        """Forget a block's cached contents: it is about to be overwritten."""
+        if block.hash is not None:
+            del self.cached_blocks[block.hash]
+            block.hash = block.token_ids = None

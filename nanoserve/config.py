@@ -1,0 +1,56 @@
+"""Engine configuration: one frozen dataclass, checked once, never written back.
+
+Values derived from it (the model's max length, the number of KV blocks) are computed by the
+engine and passed on as arguments, so a Config always says exactly what the user asked for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+# Without num_kvcache_blocks on a CPU, the KV cache takes at most this share of available RAM.
+CPU_KV_CACHE_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    block_size: int = 16
+    num_kvcache_blocks: int | None = None     # None: sized from memory (see model_runner)
+    max_num_seqs: int = 256                   # requests running at once
+    max_num_batched_tokens: int = 2048        # tokens per step: prefill chunks + decodes
+    max_model_len: int | None = None          # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"                       # auto: float32 on CPU, bfloat16 on CUDA
+    device: str | None = None                 # None: cuda if available, else cpu
+    attention_backend: str = "auto"           # "auto" | "flash" | "torch"
+    scheduling: str = "continuous"            # "continuous" | "static" (the baseline)
+    gpu_memory_utilization: float = 0.9       # share of GPU memory for weights + KV cache
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            check_positive_int(name, getattr(self, name))
+        for name in ("num_kvcache_blocks", "max_model_len"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
+        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 2:
+            raise ValueError("num_kvcache_blocks must be >= 2 (block 0 is the reserved null block)")
+        if self.scheduling not in ("continuous", "static"):
+            raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: object) -> Config:
+        """Config from LLM(model, **kwargs): an unknown key is an error, never silently ignored."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown config key(s) {unknown}; valid keys: {sorted(known - {'model'})}")
+        return cls(model=model, **kwargs)
+
+
+def check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

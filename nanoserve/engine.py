@@ -1,0 +1,196 @@
+"""The engine: the loop that ties scheduler, model runner and block manager together.
+
+`LLMEngine.step()` is one turn of continuous batching:
+    schedule -> build_batch -> model forward + sample -> update (append tokens, finish, free blocks)
+Requests can be added and aborted between any two steps. `LLM` is the offline front end:
+`generate` adds every prompt and steps until all have finished. The API mirrors vLLM's.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from nanoserve.config import Config
+from nanoserve.batch import Batch, build_batch
+from nanoserve.model_runner import ModelRunner
+from nanoserve.sampler import SamplingParams
+from nanoserve.scheduler import Scheduler
+from nanoserve.sequence import Sequence
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]         # the completion
+    text: str | None             # the completion decoded, when the model has a tokenizer
+    finish_reason: str           # "stop" | "length" | "abort"
+    num_cached_tokens: int       # prompt tokens served from the prefix cache
+    ttft: float | None           # seconds from arrival to the first output token
+    latency: float               # seconds from arrival to finish
+
+
+@dataclass
+class StepResult:
+    batch: Batch | None                  # the flat batch the model ran (None if nothing ran)
+    scheduled: list[tuple[str, int]]     # (request_id, num_tokens) in batch order
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    outputs: list[RequestOutput]         # requests that finished in this step
+
+
+class LLMEngine:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        hf_config = read_model_config(config.model)
+        self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
+        self.model_runner = ModelRunner(config, self.device, self.max_model_len)
+        self.vocab_size = self.model_runner.model.vocab_size
+        num_blocks = self.model_runner.num_blocks
+        if num_blocks - 1 < -(-self.max_model_len // config.block_size):
+            raise ValueError(
+                f"the KV cache has {num_blocks - 1} usable blocks of {config.block_size} slots "
+                f"({(num_blocks - 1) * config.block_size} tokens), too few for one request of "
+                f"max_model_len={self.max_model_len} tokens: raise num_kvcache_blocks or lower max_model_len")
+        self.tokenizer = load_tokenizer(config.model)
+        eos = hf_config.eos_token_id
+        eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.scheduler = Scheduler(config, num_blocks, self.max_model_len, eos_token_ids)
+        self.requests: dict[str, Sequence] = {}  # unfinished requests by id
+        self.request_counter = itertools.count()
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue one request; returns its id. Bad input raises ValueError here,
+        before anything is queued, so the other requests are never disturbed."""
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self.request_counter)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        token_ids = self.tokenize(prompt)
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
+        seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt is a string but {self.config.model} has no tokenizer; pass token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+        else:
+            raise ValueError("prompt must be a string or a list of int token ids")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
+        return token_ids
+
+    def abort_request(self, request_id: str) -> RequestOutput:
+        """Stop a request in any state; its blocks come back at once."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            raise ValueError(f"no unfinished request with id {request_id!r}")
+        self.scheduler.finish(seq, "abort")
+        return self.make_output(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> StepResult:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            if self.has_unfinished_requests():
+                raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never expected
+            return StepResult(None, [], 0, 0, [])
+        num_decode = sum(n == 1 and seq.num_tokens > seq.num_prompt_tokens for seq, n in scheduled)
+        batch = build_batch(scheduled, self.config.block_size, self.device)
+        sampling = [seq for seq, n in scheduled if seq.num_computed_tokens + n == seq.num_tokens]
+        sampled = self.model_runner.run(batch, sampling)
+        finished = self.scheduler.update(scheduled, sampled)
+        for seq in finished:
+            del self.requests[seq.request_id]
+        return StepResult(batch, [(seq.request_id, n) for seq, n in scheduled],
+                          int(batch.input_ids.numel()) - num_decode, num_decode,
+                          [self.make_output(seq) for seq in finished])
+
+    def make_output(self, seq: Sequence) -> RequestOutput:
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if self.tokenizer else None
+        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
+        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens],
+                             seq.output_token_ids, text, seq.finish_reason, seq.num_cached_tokens,
+                             ttft, seq.finish_time - seq.arrival_time)
+
+
+class LLM:
+    """Offline inference: `LLM(model_path, **config).generate(prompts, sampling_params)`."""
+
+    def __init__(self, model: str, **config: object) -> None:
+        self.engine = LLMEngine(Config.from_kwargs(model, **config))
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Serve all prompts together; returns their outputs in input order."""
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                ids.append(self.engine.add_request(prompt, params))
+        except ValueError:
+            for request_id in ids:  # leave the engine as it was
+                self.engine.abort_request(request_id)
+            raise
+        pending = set(ids)
+        outputs: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
+        start, num_prefill, num_decode = time.perf_counter(), 0, 0
+        while len(outputs) < len(ids):
+            result = self.engine.step()
+            num_prefill += result.num_prefill_tokens
+            num_decode += result.num_decode_tokens
+            seconds = time.perf_counter() - start
+            bar.set_postfix(prefill=f"{num_prefill / seconds:.0f} tok/s",
+                            decode=f"{num_decode / seconds:.0f} tok/s", refresh=False)
+            outputs.update((o.request_id, o) for o in result.outputs if o.request_id in pending)
+            bar.update(len(outputs) - bar.n)
+        bar.close()
+        return [outputs[request_id] for request_id in ids]
+
+
+def read_model_config(path: str):
+    """The checkpoint's config.json through transformers.AutoConfig (which also maps old-style
+    rope_scaling + rope_theta onto v5's rope_parameters)."""
+    from transformers import AutoConfig
+    if not os.path.isdir(path):
+        raise ValueError(f"model folder {path!r} does not exist")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model folder {path!r} has no config.json")
+    return AutoConfig.from_pretrained(path)
+
+
+def load_tokenizer(path: str):
+    """The folder's tokenizer, or None if it has none (then prompts must be token ids)."""
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,63 @@
+"""The model runner: owns the model, the KV cache and the sampler, and runs one Batch per step.
+
+Planning (scheduler, block_manager) never touches tensors; here a plan, flattened into a `Batch`
+(batch.py), meets the weights and the KV cache.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from nanoserve.batch import Batch
+from nanoserve.attention import check_backend, select_backend
+from nanoserve.config import CPU_KV_CACHE_FRACTION, Config
+from nanoserve.models.llama import load_model
+from nanoserve.sampler import sample
+from nanoserve.sequence import Sequence
+
+
+class ModelRunner:
+    """Owns the model, the KV cache and the sampler; runs one Batch per step."""
+
+    def __init__(self, config: Config, device: torch.device, max_model_len: int) -> None:
+        self.device = device
+        self.dtype = resolve_dtype(config.dtype, device)
+        self.backend = select_backend(config.attention_backend, device)
+        check_backend(self.backend, config.block_size)
+        self.model = load_model(config.model, self.dtype, device, self.backend)
+        self.num_blocks = config.num_kvcache_blocks or self.size_kv_cache(config, max_model_len)
+        # [2 (k and v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]: flash-attn's
+        # paged layout per layer. Zeros, not empty: padding slots are read (and masked) by attention.
+        self.kv_cache = torch.zeros(2, self.model.num_layers, self.num_blocks, config.block_size,
+                                    self.model.num_kv_heads, self.model.head_dim, dtype=self.dtype, device=device)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        m = self.model
+        return 2 * m.num_layers * block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+
+    def size_kv_cache(self, config: Config, max_model_len: int) -> int:
+        """How many blocks fit the memory budget: `gpu_memory_utilization` of the GPU, or
+        CPU_KV_CACHE_FRACTION of available RAM; never more than every seat filled to max_model_len."""
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - config.gpu_memory_utilization) * total
+        else:
+            budget = CPU_KV_CACHE_FRACTION * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        most_needed = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
+        return max(2, min(int(budget // self.bytes_per_block(config.block_size)), most_needed))
+
+    @torch.inference_mode()
+    def run(self, batch: Batch, seqs: list[Sequence]) -> list[int]:
+        """One forward pass over the flat batch, then sample one token per row of logits_indices;
+        `seqs` are the requests that sample, in batch order."""
+        logits = self.model(batch, self.kv_cache)  # [S, vocab]: only the rows that sample
+        if not seqs:
+            return []
+        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)

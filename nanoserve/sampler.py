@@ -1,0 +1,74 @@
+"""Sampling: turn each request's last-token logits into its next token.
+
+All rows are sampled together: greedy rows by argmax, the others by temperature, top-k and
+top-p, then one draw per row. A request with a `seed` draws its noise from its own generator,
+so its tokens do not depend on which other requests share the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled and when it stops (the names and defaults follow vLLM)."""
+    temperature: float = 1.0       # 0 means greedy
+    top_k: int = 0                 # 0 or -1: off
+    top_p: float = 1.0             # 1.0: off
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= -1 (0 and -1 mean off), got {self.top_k}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[int]:
+    """logits [S, vocab] float32, one row per request that samples now -> S token ids."""
+    greedy = logits.argmax(dim=-1)
+    if all(p.temperature == 0 for p in params):
+        return greedy.tolist()
+    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+    probs = apply_top_k_top_p(torch.softmax(logits / temperature[:, None], dim=-1), params)
+    # Gumbel-style draw: argmax(probs / Exp(1) noise) is a sample from probs. Seeded rows take
+    # their noise from their own generator; the rest share the global one.
+    noise = torch.empty_like(probs).exponential_()
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            noise[row] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=gen)
+    sampled = (probs / noise).argmax(dim=-1)
+    is_greedy = torch.tensor([p.temperature == 0 for p in params], device=logits.device)
+    return torch.where(is_greedy, greedy, sampled).tolist()
+
+
+def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Zero the probabilities outside each row's top-k and top-p set; probs [S, vocab]."""
+    top_k = [p.top_k if p.top_k > 0 else probs.shape[1] for p in params]
+    top_p = [p.top_p for p in params]
+    if max(top_k) == probs.shape[1] and min(top_k) == probs.shape[1] and min(top_p) == 1.0:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)       # [S, vocab]
+    rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    k = torch.tensor(top_k, device=probs.device)[:, None]
+    p = torch.tensor(top_p, device=probs.device)[:, None]
+    # Keep a token if it is among the top k and the mass before it is still below top_p,
+    # so the most likely token is always kept.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep = (rank < k) & (mass_before < p)
+    sorted_probs = sorted_probs * keep
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

@@ -1,0 +1,137 @@
+"""The scheduler: which requests run this step, and how many tokens each.
+
+Continuous batching works token by token, not request by request. Each step has one token budget
+(`max_num_batched_tokens`) that all requests share:
+1. Running requests go first, oldest first: one decode token each, or the next chunk of a prompt
+   that did not fit in earlier steps (chunked prefill). Prefill chunks and decodes mix freely:
+   "all requests' current tokens flattened into one batch".
+2. Then waiting requests are admitted first come, first served, while budget, blocks and
+   `max_num_seqs` allow. A prefix-cache hit counts as already computed.
+When blocks run out, the newest running request is preempted by recompute: its blocks are freed
+and it goes back to the front of the queue. Its tokens are kept, so nothing is lost.
+
+`scheduling="static"` is the baseline from the seed chapter: a batch is admitted only when the
+previous one has completely finished, and KV space for prompt + max_tokens is reserved up front.
+
+Invariant: every accepted request is in exactly one of `waiting`, `running`, or finished.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from nanoserve.block_manager import BlockManager
+from nanoserve.config import Config
+from nanoserve.sequence import Sequence, SequenceStatus
+
+ScheduledSeq = tuple[Sequence, int]  # a request and how many of its tokens run this step
+
+
+class Scheduler:
+    def __init__(self, config: Config, num_blocks: int, max_model_len: int, eos_token_ids: set[int]) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the newest is last
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        """Plan one step. Returns the scheduled requests in batch order."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
+                self.preempt(self.running[-1])
+                preempted = True
+                if seq.status is SequenceStatus.WAITING:  # seq itself was the newest
+                    break
+            else:
+                scheduled.append((seq, num_new))
+                budget -= num_new
+                i += 1
+        if not preempted and not (self.config.scheduling == "static" and self.running):
+            scheduled += self.admit_waiting(budget)
+        return scheduled
+
+    def admit_waiting(self, budget: int) -> list[ScheduledSeq]:
+        """Move waiting requests to running, first come first served, while they fit."""
+        static = self.config.scheduling == "static"
+        scheduled: list[ScheduledSeq] = []
+        while self.waiting and (budget > 0 or static) and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached_prefix = self.block_manager.find_cached_prefix(seq)
+            num_computed = len(cached_prefix) * self.config.block_size
+            num_new = min(seq.num_tokens - num_computed, budget)
+            # Static batching reserves the whole request's KV space now; continuous only this step's.
+            num_slots = (min(seq.num_prompt_tokens + seq.params.max_tokens - 1, self.max_model_len)
+                         if static else num_computed + num_new)
+            if not self.block_manager.allocate(seq, num_slots, cached_prefix):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = seq.num_cached_tokens = num_computed
+            self.running.append(seq)
+            if num_new > 0:
+                scheduled.append((seq, num_new))
+                budget -= num_new
+        return scheduled
+
+    def preempt(self, seq: Sequence) -> None:
+        """Preemption by recompute: drop seq's KV and requeue it at the front."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def update(self, scheduled: list[ScheduledSeq], sampled: list[int]) -> list[Sequence]:
+        """After the model ran: advance each request, append the sampled tokens (one for every
+        request whose last token ran, in batch order), and finish those that stop."""
+        sampled_iter = iter(sampled)
+        finished = []
+        for seq, num_new in scheduled:
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that did not reach the end of the prompt: no token yet
+            token = next(sampled_iter)
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = time.perf_counter()
+            reason = self.stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in (params.stop_token_ids or ()):
+            return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finished or aborted requests return their blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()

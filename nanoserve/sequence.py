@@ -1,0 +1,57 @@
+"""A request's state as it moves through the engine.
+
+A `Sequence` is one request: its prompt and output token ids, how many of them already have their
+KV in the cache (`num_computed_tokens`), its block table (which KV blocks hold them, in order) and
+its status. The invariant the scheduler keeps: the block table covers at least
+`num_computed_tokens` slots, and every token after them still has to be run through the model.
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from nanoserve.sampler import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()   # queued: not yet admitted, or preempted and waiting to be recomputed
+    RUNNING = enum.auto()   # admitted: holds KV blocks and is scheduled every step
+    FINISHED = enum.auto()  # done: blocks returned, output reported
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.token_ids = list(prompt_token_ids)          # prompt, then every sampled token
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0                     # tokens whose KV is in the cache
+        self.num_cached_tokens = 0                       # of those, taken from the prefix cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []                # hash chain of the full blocks, in order
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None            # "stop" | "length" | "abort"
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
