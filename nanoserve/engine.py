@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from nanoserve.config import Config
 from nanoserve.batch import Batch, build_batch
 from nanoserve.model_runner import ModelRunner
+from nanoserve.models.llama import read_config
 from nanoserve.sampler import SamplingParams
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
@@ -51,8 +52,11 @@ class LLMEngine:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        hf_config = read_model_config(config.model)
+        hf_config = read_config(config.model)
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
+        if self.max_model_len > hf_config.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={hf_config.max_position_embeddings}")
         self.model_runner = ModelRunner(config, self.device, self.max_model_len)
         self.vocab_size = self.model_runner.model.vocab_size
         num_blocks = self.model_runner.num_blocks
@@ -175,17 +179,6 @@ class LLM:
             bar.update(len(outputs) - bar.n)
         bar.close()
         return [outputs[request_id] for request_id in ids]
-
-
-def read_model_config(path: str):
-    """The checkpoint's config.json through transformers.AutoConfig (which also maps old-style
-    rope_scaling + rope_theta onto v5's rope_parameters)."""
-    from transformers import AutoConfig
-    if not os.path.isdir(path):
-        raise ValueError(f"model folder {path!r} does not exist")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"model folder {path!r} has no config.json")
-    return AutoConfig.from_pretrained(path)
 
 
 def load_tokenizer(path: str):

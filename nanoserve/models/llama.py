@@ -1,0 +1,309 @@
+"""Llama: the one model family nanoserve runs, and how a Hugging Face checkpoint becomes it.
+
+The model sees one step's `Batch`: every scheduled request's new tokens laid end to end, so there
+is no batch dimension anywhere, only N tokens. Each layer projects them to q, k, v, rotates q and k
+by their own `positions` (RoPE), and hands them to `Attention`, which writes k, v into the paged KV
+cache at `slot_mapping` and attends over each request's cached context. The model never knows which
+request a token belongs to; the `Batch` tensors carry all of that.
+
+Invariants:
+- `model(batch, kv_cache)` returns float32 logits `[S, vocab]` for the rows `batch.logits_indices`
+  only: the final norm and lm_head (the largest matmul for a small model) skip every prompt token
+  that does not sample now.
+- Layer i reads and writes only `kv_cache[0, i]` (keys) and `kv_cache[1, i]` (values).
+- q, k, v are one fused matmul (`qkv_proj`), gate and up another (`gate_up_proj`); the loader stacks
+  the checkpoint's separate tensors on the output dim in that order, so the math is unchanged.
+- Every parameter comes from the checkpoint: the model is built on the meta device (no memory, no
+  random init) and `load_model` assigns real tensors, or raises a `ValueError` naming what is wrong.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from nanoserve.attention import Attention
+from nanoserve.batch import Batch
+
+# Our fused parameter -> the checkpoint tensors stacked (dim 0, in this order) into it.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+
+
+def compute_inv_freq(config: PretrainedConfig, head_dim: int) -> torch.Tensor:
+    """One rotation frequency per pair of dims, `[head_dim // 2]`, for rope_type default or llama3."""
+    params = config.rope_parameters
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"unsupported rope_type {rope_type!r}: nanoserve implements 'default' and 'llama3'")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1.0 is not supported")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** exponents)  # [head_dim // 2]
+    if rope_type == "default":
+        return inv_freq
+    return scale_llama3(inv_freq, params)
+
+
+def scale_llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.1's long-context RoPE: slow down low frequencies by `factor`, keep high ones.
+
+    Wavelengths shorter than `original_max_position_embeddings / high_freq_factor` (local detail)
+    are kept; those longer than `original / low_freq_factor` (position over the whole context) are
+    stretched by `factor`, so the longer context maps onto angles seen in training; in between
+    the two are blended linearly in `original / wavelength`.
+    """
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    original = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    # smooth is 1 at the high-frequency edge (keep) and 0 at the low-frequency edge (scale)
+    smooth = ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for every position up to max_position_embeddings, computed once, indexed per token."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int):
+        super().__init__()
+        inv_freq = compute_inv_freq(config, head_dim)  # [D/2]
+        # The cache is built on CPU explicitly (the model is built on the meta device, see
+        # load_model) and stays float32: angles at large positions need the precision.
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(positions, inv_freq)  # [max_pos, D/2]
+        # HF's "rotate_half" layout: dim j pairs with dim j + D/2, so both halves share a frequency.
+        freqs = torch.cat((freqs, freqs), dim=-1)  # [max_pos, D]
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # [N, D] each; cast like HF does, so q * cos runs in the model's dtype
+        return self.cos_cache[positions].to(dtype), self.sin_cache[positions].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (j, j + D/2) pair of `x` `[N, heads, D]` by its token's angle."""
+    x1, x2 = x.chunk(2, dim=-1)  # [N, heads, D/2] each
+    rotated = torch.cat((-x2, x1), dim=-1)  # [N, heads, D]
+    return x * cos[:, None, :] + rotated * sin[:, None, :]  # cos/sin broadcast over heads
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 for the mean of squares (bf16 would lose it); cast back before the weight, as HF does
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Fused qkv projection, RoPE, paged attention (nanoserve.attention), output projection."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, attention_backend: str):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, attention_backend)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [N, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [N, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.attn(q, k, v, k_cache, v_cache, batch)  # [N, H, D]
+        return self.o_proj(out.reshape(-1, self.q_size))  # [N, H * D] -> [N, hidden]
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one matmul."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, intermediate] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, head_dim: int, attention_backend: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, head_dim, attention_backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm: HF's `model.*` half of the checkpoint."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, attention_backend: str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, head_dim, attention_backend) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, head_dim)
+
+    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Final hidden states `[S, hidden]` of the rows `batch.logits_indices`."""
+        x = self.embed_tokens(batch.input_ids)  # [N, hidden]
+        cos, sin = self.rotary(batch.positions, x.dtype)  # [N, D] each, shared by every layer
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], batch)
+        # Only sampling rows need the final norm (and lm_head after it): all rows' k and v are
+        # already in the cache, which is all later steps need from the others.
+        return self.norm(x[batch.logits_indices])  # [S, hidden]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig, attention_backend: str):
+        super().__init__()
+        self.config = config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.vocab_size = config.vocab_size
+        self.model = LlamaModel(config, self.head_dim, attention_backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Logits `[S, vocab]` float32; kv_cache is `[2, num_layers, num_blocks, block_size, Hkv, D]`."""
+        return self.lm_head(self.model(batch, kv_cache)).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading a Hugging Face checkpoint
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_backend: str) -> LlamaForCausalLM:
+    """Build a Llama from a Hugging Face folder (config.json + *.safetensors) on `device` in `dtype`."""
+    config = read_config(path)
+    with torch.device("meta"):  # shapes only: every parameter is replaced by a checkpoint tensor
+        model = LlamaForCausalLM(config, attention_backend)
+    files = index_checkpoint(Path(path))
+    check_shapes(files, expected_shapes(config, model.head_dim))
+    for name, param in list(model.named_parameters()):
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        # A fused parameter stacks its checkpoint tensors on the output dim, e.g. q, k, v
+        tensor = torch.cat([read_tensor(files, part) for part in checkpoint_names(name)], dim=0)
+        module_name, _, leaf = name.rpartition(".")
+        weight = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+        setattr(model.get_submodule(module_name), leaf, weight)
+    if config.tie_word_embeddings:  # tied: lm_head.weight is the embedding matrix, not a copy
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(device).eval()  # moves the RoPE cache; parameters are already there
+
+
+def read_config(path: str) -> PretrainedConfig:
+    """config.json, checked for what this module implements."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"model folder {path!r} does not exist")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model folder {path!r} has no config.json")
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type != "llama":
+        raise ValueError(f"unsupported model_type {config.model_type!r} (architectures "
+                         f"{getattr(config, 'architectures', None)}): nanoserve only runs Llama models")
+    if config.attention_bias or config.mlp_bias:
+        raise ValueError("attention_bias / mlp_bias are not supported (Llama checkpoints have none)")
+    if config.hidden_act != "silu":
+        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: Llama uses 'silu'")
+    return config
+
+
+def index_checkpoint(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (one file, or the shards of an index)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {str(folder)!r} has no *.safetensors files")
+    names = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:  # reads only the header
+            names.update({name: file for name in f.keys()})
+    return names
+
+
+def expected_shapes(config: PretrainedConfig, head_dim: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Llama checkpoint must hold (Hugging Face names), with its shape."""
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    q_size, kv_size = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        shapes |= {
+            f"{layer}.self_attn.q_proj.weight": (q_size, hidden),
+            f"{layer}.self_attn.k_proj.weight": (kv_size, hidden),
+            f"{layer}.self_attn.v_proj.weight": (kv_size, hidden),
+            f"{layer}.self_attn.o_proj.weight": (hidden, q_size),
+            f"{layer}.mlp.gate_proj.weight": (inter, hidden),
+            f"{layer}.mlp.up_proj.weight": (inter, hidden),
+            f"{layer}.mlp.down_proj.weight": (hidden, inter),
+            f"{layer}.input_layernorm.weight": (hidden,),
+            f"{layer}.post_attention_layernorm.weight": (hidden,),
+        }
+    return shapes
+
+
+def check_shapes(files: dict[str, Path], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Fail before loading anything if a tensor is missing or has the wrong shape."""
+    for name, shape in shapes.items():
+        if name not in files:
+            raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
+        with safe_open(files[name], framework="pt") as f:
+            found = f.get_slice(name).get_shape()
+        if tuple(found) != shape:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {list(found)}, expected {list(shape)}")
+
+
+def checkpoint_names(param_name: str) -> list[str]:
+    """Our parameter name -> the checkpoint tensors it is made of (several when fused)."""
+    for fused, parts in FUSED.items():
+        if f".{fused}." in param_name:
+            return [param_name.replace(fused, part) for part in parts]
+    return [param_name]  # everything else keeps its Hugging Face name
+
+
+def read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
+    with safe_open(files[name], framework="pt", device="cpu") as f:
+        return f.get_tensor(name)

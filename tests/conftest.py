@@ -1,0 +1,56 @@
+"""Tiny random Llamas built with transformers and saved to a temp folder: no hub, no downloads."""
+import json
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=256, max_position_embeddings=256,
+            bos_token_id=1, eos_token_id=2, initializer_range=0.1)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+MODELS = {
+    "gqa": {},
+    "tied": dict(tie_word_embeddings=True, num_key_value_heads=4),
+    "llama3": dict(rope_parameters=LLAMA3_ROPE, num_key_value_heads=1),
+}
+
+
+def build_tiny_llama(path: str, seed: int = 0, old_style_rope: bool = False, **overrides) -> str:
+    """Save a random LlamaForCausalLM to `path`. With old_style_rope the config.json carries
+    `rope_scaling` + `rope_theta` as real Llama 3 checkpoints do, instead of v5's rope_parameters."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides}))
+    model.save_pretrained(path)
+    if old_style_rope:
+        config_file = os.path.join(path, "config.json")
+        config = json.load(open(config_file))
+        rope = config.pop("rope_parameters")
+        config["rope_theta"] = rope.pop("rope_theta")
+        config["rope_scaling"] = rope
+        json.dump(config, open(config_file, "w"))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    """Folder of each tiny model by name; 'llama3_old' is llama3 with an old-style config."""
+    root = tmp_path_factory.mktemp("models")
+    paths = {name: build_tiny_llama(str(root / name), **kw) for name, kw in MODELS.items()}
+    paths["llama3_old"] = build_tiny_llama(str(root / "llama3_old"), old_style_rope=True, **MODELS["llama3"])
+    return paths
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """The reference: transformers' greedy generate, one prompt at a time (no padding)."""
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outputs = []
+    with torch.no_grad():
+        for prompt, n in zip(prompts, max_tokens):
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=n, pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs

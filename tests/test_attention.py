@@ -1,0 +1,276 @@
+"""Tests for nanoserve/attention.py against a naive attention written out loop by loop."""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from nanoserve.attention import (Attention, check_backend, flash_attn_varlen_func,
+                                 flash_attn_with_kvcache, select_backend, store_kvcache)
+from nanoserve.batch import Batch
+
+H, HKV, D = 4, 2, 8  # grouped-query attention: query heads 0,1 read kv head 0, heads 2,3 kv head 1
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+              scale: float | None = None) -> torch.Tensor:
+    """One request: q [Sq, H, D], k, v [Sk, Hkv, D] -> [Sq, H, D], in float64, bottom-right causal."""
+    seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_kv_heads = k.shape[:2]
+    group = num_heads // num_kv_heads
+    scale = 1 / math.sqrt(head_dim) if scale is None else scale
+    out = torch.zeros(seqlen_q, num_heads, head_dim, dtype=torch.float64)
+    for h in range(num_heads):
+        kv_head = h // group
+        for i in range(seqlen_q):
+            visible = [j for j in range(seqlen_k) if not causal or j <= i + seqlen_k - seqlen_q]
+            if not visible:
+                continue  # flash-attn returns 0 for a query that sees nothing
+            scores = torch.stack([q[i, h].double() @ k[j, kv_head].double() for j in visible])
+            probs = torch.softmax(scores * scale, dim=0)
+            out[i, h] = sum(p * v[j, kv_head].double() for p, j in zip(probs, visible))
+    return out
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def cumsum0(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+
+
+def paged_cache(seq_lens: list[int], block_size: int, seed: int = 0):
+    """Random caches with each request's blocks scattered in shuffled order (block 0 reserved)."""
+    rng = random.Random(seed)
+    blocks_needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_needed) + 3
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in blocks_needed]
+    max_blocks = max(blocks_needed)
+    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+    k_cache = torch.randn(num_blocks, block_size, HKV, D)
+    v_cache = torch.randn(num_blocks, block_size, HKV, D)
+    # what each request's keys are, read slot by slot
+    slots = [[tables[b][p // block_size] * block_size + p % block_size for p in range(n)]
+             for b, n in enumerate(seq_lens)]
+    keys = [k_cache.view(-1, HKV, D)[s] for s in slots]
+    values = [v_cache.view(-1, HKV, D)[s] for s in slots]
+    return k_cache, v_cache, block_tables, keys, values
+
+
+def test_varlen_packed_matches_reference():
+    torch.manual_seed(0)
+    lens = [5, 1, 9, 3]
+    q, k, v = torch.randn(sum(lens), H, D), torch.randn(sum(lens), HKV, D), torch.randn(sum(lens), HKV, D)
+    cu = cumsum0(lens)
+    out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    assert out.shape == (sum(lens), H, D)
+    for b in range(len(lens)):
+        s, e = cu[b], cu[b + 1]
+        assert_close(out[s:e], reference(q[s:e], k[s:e], v[s:e]))
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_varlen_paged_mixes_prefill_chunks_and_decode(block_size: int):
+    torch.manual_seed(block_size)
+    # full prefill, chunked-prefill chunk, decode, decode, full prefill, chunk of 1 past a block
+    q_lens = [7, 3, 1, 1, 2, 4]
+    k_lens = [7, 20, 9, 33, 2, 17]
+    k_cache, v_cache, block_tables, keys, values = paged_cache(k_lens, block_size, seed=block_size)
+    q = torch.randn(sum(q_lens), H, D)
+    cu_q, cu_k = cumsum0(q_lens), cumsum0(k_lens)
+    out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens),
+                                 causal=True, block_table=block_tables)
+    for b in range(len(q_lens)):
+        s, e = cu_q[b], cu_q[b + 1]
+        assert_close(out[s:e], reference(q[s:e], keys[b], values[b]))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_with_kvcache_decode_matches_reference(causal: bool):
+    torch.manual_seed(1)
+    cache_seqlens = [1, 16, 5, 23, 12]
+    k_cache, v_cache, block_tables, keys, values = paged_cache(cache_seqlens, block_size=4, seed=1)
+    q = torch.randn(len(cache_seqlens), 1, H, D)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(cache_seqlens, dtype=torch.int32),
+                                  block_table=block_tables, softmax_scale=0.3, causal=causal)
+    assert out.shape == q.shape
+    for b in range(len(cache_seqlens)):
+        assert_close(out[b], reference(q[b], keys[b], values[b], causal=causal, scale=0.3))
+
+
+def test_with_kvcache_appends_new_tokens_then_attends():
+    torch.manual_seed(2)
+    cache_seqlens = [3, 8]
+    k_cache, v_cache, block_tables, keys, values = paged_cache([6, 11], block_size=4, seed=2)
+    q, k, v = torch.randn(2, 3, H, D), torch.randn(2, 3, HKV, D), torch.randn(2, 3, HKV, D)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(cache_seqlens, dtype=torch.int32),
+                                  block_table=block_tables, causal=True)
+    for b, n in enumerate(cache_seqlens):
+        slots = torch.tensor([int(block_tables[b, p // 4]) * 4 + p % 4 for p in range(n, n + 3)])
+        assert torch.equal(k_cache.view(-1, HKV, D)[slots], k[b])
+        assert_close(out[b], reference(q[b], torch.cat([keys[b][:n], k[b]]), torch.cat([values[b][:n], v[b]])))
+
+
+def test_store_kvcache_writes_only_named_slots():
+    k_cache, v_cache = torch.zeros(4, 4, HKV, D), torch.zeros(4, 4, HKV, D)
+    slot_mapping = torch.tensor([5, 14, 3], dtype=torch.int64)
+    k, v = torch.randn(3, HKV, D), torch.randn(3, HKV, D)
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(k_cache[3, 2], k[1]) and torch.equal(k_cache[0, 3], k[2])
+    assert torch.equal(v_cache.view(-1, HKV, D)[slot_mapping], v)
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[slot_mapping] = False
+    assert k_cache.view(-1, HKV, D)[untouched].abs().sum() == 0
+    assert v_cache.view(-1, HKV, D)[untouched].abs().sum() == 0
+
+
+def test_causal_mask_is_bottom_right():
+    # seqlen_q=2, seqlen_k=5: query 0 sees keys 0..3 (top-left alignment would give keys 0..0)
+    torch.manual_seed(3)
+    q, k = torch.randn(2, 1, D), torch.randn(5, 1, D)
+    v = torch.eye(5, D).unsqueeze(1)  # value j is the unit vector e_j: the output row is the attention weights
+    out = flash_attn_varlen_func(q, k, v, cumsum0([2]), cumsum0([5]), 2, 5, causal=True)
+    weights = out[:, 0, :5]
+    assert (weights[0, :4] > 0).all() and weights[0, 4] == 0
+    assert (weights[1] > 0).all()
+    assert_close(out, reference(q, k, v))
+
+
+def test_query_that_sees_no_key_gets_zero():
+    # seqlen_q=5, seqlen_k=2, causal: queries 0..2 see nothing and must give 0, not NaN
+    torch.manual_seed(6)
+    q, k, v = torch.randn(5, H, D), torch.randn(2, HKV, D), torch.randn(2, HKV, D)
+    out = flash_attn_varlen_func(q, k, v, cumsum0([5]), cumsum0([2]), 5, 2, causal=True)
+    assert torch.equal(out[:3], torch.zeros(3, H, D))
+    assert_close(out, reference(q, k, v))
+    # a request with an empty cache, next to one that has keys
+    k_cache, v_cache, block_tables, keys, values = paged_cache([1, 6], block_size=4, seed=6)
+    q1 = torch.randn(2, 1, H, D)
+    out1 = flash_attn_with_kvcache(q1, k_cache, v_cache, cache_seqlens=torch.tensor([0, 6], dtype=torch.int32),
+                                   block_table=block_tables)
+    assert torch.equal(out1[0], torch.zeros(1, H, D))
+    assert_close(out1[1], reference(q1[1], keys[1], values[1], causal=False))
+
+
+def walkthrough_prefill_batch() -> Batch:
+    """Walkthrough step 1: block_size 4, prompts of 5, 7, 3 tokens in blocks [1,2], [3,4], [5]."""
+    return Batch(
+        input_ids=torch.tensor([1, 2, 3, 4, 5, 1, 6, 5, 7, 8, 9, 10, 1, 12, 13]),
+        positions=torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2]),
+        slot_mapping=torch.tensor([4, 5, 6, 7, 8, 12, 13, 14, 15, 16, 17, 18, 20, 21, 22]),
+        query_start_loc=torch.tensor([0, 5, 12, 15], dtype=torch.int32),
+        seq_lens=torch.tensor([5, 7, 3], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, 5, 12, 15], dtype=torch.int32),
+        block_tables=torch.tensor([[1, 2], [3, 4], [5, 0]], dtype=torch.int32),
+        logits_indices=torch.tensor([4, 11, 14]),
+        max_query_len=7,
+        max_seq_len=7,
+    )
+
+
+def walkthrough_decode_batch() -> Batch:
+    """Walkthrough step 2: one new token per request, at positions 5, 7, 3."""
+    return Batch(
+        input_ids=torch.tensor([14, 15, 16]),
+        positions=torch.tensor([5, 7, 3]),
+        slot_mapping=torch.tensor([9, 19, 23]),
+        query_start_loc=torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+        seq_lens=torch.tensor([6, 8, 4], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, 6, 14, 18], dtype=torch.int32),
+        block_tables=torch.tensor([[1, 2], [3, 4], [5, 0]], dtype=torch.int32),
+        logits_indices=torch.tensor([0, 1, 2]),
+        max_query_len=1,
+        max_seq_len=8,
+    )
+
+
+def test_attention_module_walkthrough():
+    torch.manual_seed(4)
+    attention = Attention(H, HKV, D, backend="torch")
+    k_cache, v_cache = torch.zeros(8, 4, HKV, D), torch.zeros(8, 4, HKV, D)
+
+    prefill = walkthrough_prefill_batch()
+    q, k, v = torch.randn(15, H, D), torch.randn(15, HKV, D), torch.randn(15, HKV, D)
+    out = attention(q, k, v, k_cache, v_cache, prefill)
+    assert out.shape == (15, H, D)
+    for s, e in [(0, 5), (5, 12), (12, 15)]:
+        assert_close(out[s:e], reference(q[s:e], k[s:e], v[s:e]))
+    assert torch.equal(k_cache.view(-1, HKV, D)[prefill.slot_mapping], k)
+    assert torch.equal(v_cache.view(-1, HKV, D)[prefill.slot_mapping], v)
+    assert k_cache[0].abs().sum() == 0  # the null block is never written
+
+    decode = walkthrough_decode_batch()
+    calls = []
+    with_kvcache = attention.with_kvcache
+    attention.with_kvcache = lambda *args, **kwargs: calls.append(1) or with_kvcache(*args, **kwargs)
+    q2, k2, v2 = torch.randn(3, H, D), torch.randn(3, HKV, D), torch.randn(3, HKV, D)
+    out2 = attention(q2, k2, v2, k_cache, v_cache, decode)
+    assert calls == [1], "a decode-only batch must take the flash_attn_with_kvcache path"
+    assert out2.shape == (3, H, D)
+    for b, (s, e) in enumerate([(0, 5), (5, 12), (12, 15)]):
+        keys, values = torch.cat([k[s:e], k2[b:b + 1]]), torch.cat([v[s:e], v2[b:b + 1]])
+        assert_close(out2[b:b + 1], reference(q2[b:b + 1], keys, values))
+
+
+def test_select_backend():
+    assert select_backend("auto", torch.device("cpu")) == "torch"
+    assert select_backend("torch", torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="auto"):
+        select_backend("flashinfer", torch.device("cpu"))
+    with pytest.raises(ValueError):
+        select_backend("flash", torch.device("cpu"))
+
+
+def test_check_backend():
+    check_backend("torch", 16)
+    check_backend("flash", 256)
+    with pytest.raises(ValueError, match="256"):
+        check_backend("flash", 16)
+    with pytest.raises(ValueError):
+        check_backend("nope", 16)
+
+
+def test_unsupported_options_raise():
+    q, k = torch.randn(2, H, D), torch.randn(2, HKV, D)
+    cu = cumsum0([2])
+    with pytest.raises(NotImplementedError):
+        flash_attn_varlen_func(q, k, k, cu, cu, 2, 2, window_size=(4, 0))
+    flash_attn_varlen_func(q, k, k, cu, cu, 2, 2, window_size=[-1, -1])  # the default, as a list
+
+
+flash_attn_ready = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not flash_attn_ready, reason="needs CUDA and the flash_attn package")
+def test_flash_backend_matches_torch_backend():
+    import flash_attn
+
+    torch.manual_seed(5)
+    block_size, dtype, device = 256, torch.bfloat16, torch.device("cuda")
+    q_lens, k_lens = [300, 40, 1, 1], [300, 600, 257, 1000]
+    k_cache, v_cache, block_tables, _, _ = paged_cache(k_lens, block_size, seed=5)
+    k_cache, v_cache = k_cache.to(device, dtype), v_cache.to(device, dtype)
+    block_tables = block_tables.to(device)
+    q = torch.randn(sum(q_lens), H, D * 8, device=device, dtype=dtype)  # flash-attn wants head_dim % 8 == 0
+    k_cache = k_cache.repeat(1, 1, 1, 8)
+    v_cache = v_cache.repeat(1, 1, 1, 8)
+    cu_q, cu_k = cumsum0(q_lens).to(device), cumsum0(k_lens).to(device)
+    args = (q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens))
+    expected = flash_attn.flash_attn_varlen_func(*args, causal=True, block_table=block_tables)
+    actual = flash_attn_varlen_func(*args, causal=True, block_table=block_tables)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+    q1 = torch.randn(len(k_lens), 1, H, D * 8, device=device, dtype=dtype)
+    seqlens = torch.tensor(k_lens, dtype=torch.int32, device=device)
+    kwargs = dict(cache_seqlens=seqlens, block_table=block_tables, causal=True)
+    expected = flash_attn.flash_attn_with_kvcache(q1, k_cache, v_cache, **kwargs)
+    actual = flash_attn_with_kvcache(q1, k_cache, v_cache, **kwargs)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)

@@ -1,0 +1,152 @@
+"""Token-exact parity: nanoserve's greedy output equals transformers' generate on the same weights,
+for every request of a mixed batch, under every engine setup that changes how tokens are batched."""
+import random
+
+import pytest
+
+from conftest import hf_greedy
+from nanoserve import LLM, SamplingParams
+
+# Mixed lengths; prompts 3 and 4 share a 24-token prefix with prompt 0.
+rng = random.Random(0)
+PREFIX = [rng.randrange(3, 256) for _ in range(24)]
+PROMPTS = [PREFIX + [rng.randrange(3, 256) for _ in range(9)],
+           [rng.randrange(3, 256) for _ in range(5)],
+           [rng.randrange(3, 256) for _ in range(41)],
+           PREFIX + [rng.randrange(3, 256) for _ in range(3)],
+           PREFIX[:20],
+           [rng.randrange(3, 256)]]
+MAX_TOKENS = [12, 20, 7, 15, 9, 18]
+SETUPS = {
+    "block_size_1": dict(block_size=1),
+    "block_size_4": dict(block_size=4),
+    "block_size_16": dict(block_size=16),
+    "chunked_prefill": dict(block_size=4, max_num_batched_tokens=8),   # chunks mixed with decodes
+    "preemption": dict(block_size=4, num_kvcache_blocks=18, max_model_len=64),
+    "no_prefix_caching": dict(block_size=4, enable_prefix_caching=False),
+}
+
+references: dict[str, list[list[int]]] = {}
+
+
+def reference(path: str) -> list[list[int]]:
+    if path not in references:
+        references[path] = hf_greedy(path, PROMPTS, MAX_TOKENS)
+    return references[path]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens)
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("model", ["gqa", "tied", "llama3", "llama3_old"])
+def test_greedy_matches_transformers(tiny_models, model, setup):
+    path = tiny_models[model]
+    llm = LLM(path, **SETUPS[setup])
+    outputs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)
+    assert [o.token_ids for o in outputs] == reference(path)
+    assert [o.prompt_token_ids for o in outputs] == PROMPTS
+    if setup == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.model_runner.num_blocks - 1
+
+
+def test_prefix_cache_hits_keep_outputs_exact(tiny_models):
+    path = tiny_models["gqa"]
+    llm = LLM(path, block_size=4)
+    first = llm.generate([PROMPTS[0]], [greedy(MAX_TOKENS[0])], use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    # Prompts 3 and 4 share PREFIX with prompt 0, whose blocks are now cached (and free).
+    later = llm.generate([PROMPTS[3], PROMPTS[4]], [greedy(MAX_TOKENS[3]), greedy(MAX_TOKENS[4])], use_tqdm=False)
+    assert later[0].num_cached_tokens == 24 and later[1].num_cached_tokens == 16
+    assert [o.token_ids for o in later] == [reference(path)[3], reference(path)[4]]
+
+
+def test_requests_join_mid_flight_and_finish_independently(tiny_models):
+    path = tiny_models["gqa"]
+    engine = LLM(path, block_size=4).engine
+    expected = reference(path)
+    first = engine.add_request(PROMPTS[2], greedy(MAX_TOKENS[2]))
+    engine.step(), engine.step()
+    second = engine.add_request(PROMPTS[1], greedy(MAX_TOKENS[1]))  # joins while `first` decodes
+    finished = {}
+    while engine.has_unfinished_requests():
+        result = engine.step()
+        assert result.batch.input_ids.numel() == sum(n for _, n in result.scheduled)
+        finished.update((o.request_id, o) for o in result.outputs)
+    assert finished[first].token_ids == expected[2] and finished[second].token_ids == expected[1]
+    assert finished[first].finish_reason == "length" and finished[first].ttft <= finished[first].latency
+
+
+def test_static_scheduling_gives_the_same_tokens(tiny_models):
+    path = tiny_models["gqa"]
+    outputs = LLM(path, block_size=4, scheduling="static", max_num_seqs=3).generate(
+        PROMPTS, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)
+    assert [o.token_ids for o in outputs] == reference(path)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_models):
+    llm = LLM(tiny_models["gqa"], block_size=4)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, seed=1234)
+    alone = llm.generate([PROMPTS[1]], [seeded], use_tqdm=False)[0].token_ids
+    # Same request again, now behind an unseeded sampled request in the same batch.
+    again = llm.generate([PROMPTS[2], PROMPTS[1]], [SamplingParams(max_tokens=5), seeded], use_tqdm=False)[1]
+    assert again.token_ids == alone
+    other_seed = llm.generate([PROMPTS[1]], [SamplingParams(temperature=1.0, top_p=0.9, top_k=50,
+                                                            max_tokens=16, seed=99)], use_tqdm=False)[0]
+    assert other_seed.token_ids != alone
+
+
+def test_abort_frees_blocks_and_reports_abort(tiny_models):
+    engine = LLM(tiny_models["gqa"], block_size=4).engine
+    total_free = engine.scheduler.block_manager.num_free_blocks
+    running = engine.add_request(PROMPTS[2], greedy(50))
+    waiting = engine.add_request(PROMPTS[1], greedy(50))
+    engine.step()
+    assert engine.abort_request(running).finish_reason == "abort"
+    assert engine.abort_request(waiting).finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.block_manager.num_free_blocks == total_free
+    with pytest.raises(ValueError, match="no unfinished request"):
+        engine.abort_request(running)
+
+
+@pytest.mark.parametrize("bad_prompt, message", [
+    ([], "empty"),
+    ([1, 2, 256], "outside"),
+    ([1, -1], "outside"),
+    ([1, 2.5], "list of int"),
+    ("hello", "no tokenizer"),
+    ([5] * 300, "max_model_len"),
+])
+def test_bad_prompt_is_rejected_and_the_engine_keeps_serving(tiny_models, bad_prompt, message):
+    path = tiny_models["gqa"]
+    llm = LLM(path, block_size=4)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([PROMPTS[1], bad_prompt], [greedy(5), greedy(5)], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()  # the good prompt was taken back too
+    assert llm.generate([PROMPTS[1]], [greedy(MAX_TOKENS[1])], use_tqdm=False)[0].token_ids == reference(path)[1]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_bad_config(tiny_models, tmp_path):
+    with pytest.raises(ValueError, match="unknown config key"):
+        LLM(tiny_models["gqa"], blocksize=4)
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="no config.json"):
+        LLM(str(tmp_path))
+    with pytest.raises(ValueError, match="too few for one request"):
+        LLM(tiny_models["gqa"], block_size=4, num_kvcache_blocks=8, max_model_len=64)

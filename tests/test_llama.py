@@ -1,0 +1,216 @@
+"""Tests for nanoserve/models/llama.py: logits equal transformers' LlamaForCausalLM.
+
+Each test builds a tiny random Llama with transformers, saves it like a Hub checkpoint into a tmp
+folder, loads it with `load_model` and compares logits for the same tokens. Weights use
+initializer_range 0.2 (HF's default 0.02 makes logits nearly flat, so a wrong model could still
+pass). Nothing is downloaded. The error tests damage a saved checkpoint and expect a ValueError
+whose message names the problem.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, LlamaConfig
+from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+
+from nanoserve.batch import Batch
+from nanoserve.models.llama import load_model
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 16
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def make_config(**overrides: object) -> LlamaConfig:
+    """Hidden 64, 2 layers, 4 query heads sharing 2 kv heads (GQA), head_dim 16, vocab 256."""
+    fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=256, max_position_embeddings=128,
+                  initializer_range=0.2, rms_norm_eps=1e-5)
+    return LlamaConfig(**(fields | overrides))
+
+
+def save_llama(path: Path, max_shard_size: str | None = None, **overrides: object) -> HFLlamaForCausalLM:
+    """Save a random tiny Llama to `path` and return it, as the reference."""
+    torch.manual_seed(0)
+    model = HFLlamaForCausalLM(make_config(**overrides)).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return model
+
+
+def make_batch(prompts: list[list[int]], cached: list[int] | None = None) -> Batch:
+    """One step for several requests by hand: request b brings `prompts[b]`, after `cached[b]` tokens
+    already in its KV cache. Request b owns blocks 1 + b * 4 ... (block 0 is the null block)."""
+    cached = cached or [0] * len(prompts)
+    blocks_per_request = 4
+    input_ids, positions, slot_mapping, block_tables = [], [], [], []
+    for b, (tokens, start) in enumerate(zip(prompts, cached)):
+        blocks = [1 + b * blocks_per_request + j for j in range(blocks_per_request)]
+        block_tables.append(blocks)
+        for pos in range(start, start + len(tokens)):
+            positions.append(pos)
+            slot_mapping.append(blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+        input_ids += tokens
+    query_lens = torch.tensor([len(p) for p in prompts])
+    seq_lens = torch.tensor([len(p) + c for p, c in zip(prompts, cached)], dtype=torch.int32)
+    query_start_loc = torch.cat([torch.zeros(1), query_lens.cumsum(0)]).to(torch.int32)
+    return Batch(
+        input_ids=torch.tensor(input_ids),
+        positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slot_mapping),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        cu_seqlens_k=torch.cat([torch.zeros(1), seq_lens.cumsum(0)]).to(torch.int32),
+        block_tables=torch.tensor(block_tables, dtype=torch.int32),
+        logits_indices=torch.arange(len(input_ids)),  # every row, to compare all positions
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+
+
+def empty_kv_cache(model: torch.nn.Module) -> torch.Tensor:
+    # [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+    return torch.zeros(2, model.num_layers, NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+
+
+def reference_logits(hf_model: HFLlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([tokens])).logits[0].float()  # [n, vocab]
+
+
+def run_prefill(path: Path, tokens: list[int]) -> torch.Tensor:
+    model = load_model(str(path), torch.float32, torch.device("cpu"), "torch")
+    with torch.inference_mode():
+        return model(make_batch([tokens]), empty_kv_cache(model))  # [n, vocab]
+
+
+PROMPT = [3, 17, 200, 45, 9, 120, 77, 1, 250, 64, 33]  # 11 tokens: 3 blocks, the last one partly full
+
+
+def assert_same_logits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(actual.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("overrides", [
+    {},  # GQA, untied lm_head
+    {"tie_word_embeddings": True},
+    {"rope_parameters": LLAMA3_ROPE},
+    {"num_key_value_heads": 4, "head_dim": 8},  # MHA, head_dim != hidden / heads
+], ids=["gqa", "tied", "llama3_rope", "mha_head_dim"])
+def test_prefill_matches_transformers(tmp_path: Path, overrides: dict) -> None:
+    hf_model = save_llama(tmp_path, **overrides)
+    assert_same_logits(run_prefill(tmp_path, PROMPT), reference_logits(hf_model, PROMPT))
+
+
+def test_tied_checkpoint_has_no_lm_head(tmp_path: Path) -> None:
+    save_llama(tmp_path, tie_word_embeddings=True)
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_old_style_rope_scaling(tmp_path: Path) -> None:
+    """Llama 3 checkpoints on the Hub write `rope_scaling` + `rope_theta`, not `rope_parameters`."""
+    hf_model = save_llama(tmp_path, rope_parameters=LLAMA3_ROPE)
+    config = json.loads((tmp_path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert_same_logits(run_prefill(tmp_path, PROMPT), reference_logits(hf_model, PROMPT))
+
+
+def test_sharded_checkpoint(tmp_path: Path) -> None:
+    hf_model = save_llama(tmp_path, max_shard_size="50KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    assert_same_logits(run_prefill(tmp_path, PROMPT), reference_logits(hf_model, PROMPT))
+
+
+def test_logits_only_for_logits_indices(tmp_path: Path) -> None:
+    hf_model = save_llama(tmp_path)
+    model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
+    batch = make_batch([PROMPT])
+    last_row = dataclasses.replace(batch, logits_indices=torch.tensor([len(PROMPT) - 1]))
+    with torch.inference_mode():
+        logits = model(last_row, empty_kv_cache(model))
+    assert logits.shape == (1, 256) and logits.dtype == torch.float32
+    assert_same_logits(logits, reference_logits(hf_model, PROMPT)[-1:])
+
+
+def test_batched_prefill_then_decode(tmp_path: Path) -> None:
+    """Two requests in one prefill, then one decode step each reading the cache the prefill wrote."""
+    hf_model = save_llama(tmp_path, rope_parameters=LLAMA3_ROPE)
+    model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
+    prompts = [PROMPT, [5, 6, 7, 8, 9]]
+    kv_cache = empty_kv_cache(model)
+    with torch.inference_mode():
+        prefill = model(make_batch(prompts), kv_cache)  # [11 + 5, vocab]
+        decode = model(make_batch([[42], [43]], cached=[len(p) for p in prompts]), kv_cache)  # [2, vocab]
+    assert_same_logits(prefill[:len(PROMPT)], reference_logits(hf_model, PROMPT))
+    assert_same_logits(prefill[len(PROMPT):], reference_logits(hf_model, prompts[1]))
+    assert_same_logits(decode[0], reference_logits(hf_model, PROMPT + [42])[-1])
+    assert_same_logits(decode[1], reference_logits(hf_model, prompts[1] + [43])[-1])
+
+
+def test_bfloat16_load(tmp_path: Path) -> None:
+    save_llama(tmp_path)
+    model = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.model.rotary.cos_cache.dtype == torch.float32  # RoPE angles stay float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def load(path: Path) -> None:
+    load_model(str(path), torch.float32, torch.device("cpu"), "torch")
+
+
+def test_missing_folder(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        load(tmp_path / "nope")
+
+
+def test_folder_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no config.json"):
+        load(tmp_path)
+
+
+def test_not_a_llama(tmp_path: Path) -> None:
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="'gpt2'"):
+        load(tmp_path)
+
+
+def test_unsupported_rope_type(tmp_path: Path) -> None:
+    save_llama(tmp_path, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+    with pytest.raises(ValueError, match="'linear'"):
+        load(tmp_path)
+
+
+def test_missing_tensor(tmp_path: Path) -> None:
+    save_llama(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        load(tmp_path)
+
+
+def test_wrong_shape(tmp_path: Path) -> None:
+    save_llama(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 64)  # 1 kv head, not 2
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' has shape "
+                                         r"\[16, 64\], expected \[32, 64\]"):
+        load(tmp_path)
