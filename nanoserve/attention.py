@@ -59,8 +59,10 @@ def gather_blocks(cache: Tensor, block_table: Tensor, max_len: int) -> Tensor:
     """The first `max_len` (rounded up to whole blocks) cached tokens of each row of `block_table`."""
     block_size = cache.shape[1]
     num_blocks = max(1, -(-max_len // block_size))  # at least one block, so the key axis is never empty
-    # [B, num_blocks, block_size, Hkv, D] -> [B, num_blocks * block_size, Hkv, D]
-    return cache[block_table[:, :num_blocks]].flatten(1, 2)
+    table = block_table[:, :num_blocks]
+    # index_select on the block axis copies whole blocks, several times faster on CPU than
+    # advanced indexing: [B * num_blocks, block_size, Hkv, D] -> [B, num_blocks * block_size, Hkv, D]
+    return cache.index_select(0, table.flatten()).view(table.shape[0], -1, *cache.shape[2:])
 
 
 def build_mask(seqlen_q: int, seqlens_k: Tensor, max_len: int, causal: bool) -> Tensor:
