@@ -247,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, from {ENGINES}")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--kv-cache-tokens", type=int, default=4096,
+                   help="nanoserve's KV cache size for both schedulers: the memory a static batch must reserve")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--online", action="store_true", help="Poisson arrivals to nanoserve continuous and static")
     p.add_argument("--rates", default="1,2,4,8", help="with --online: request rates (req/s)")
@@ -257,7 +259,9 @@ def main(argv: list[str] | None = None) -> None:
     vocab = AutoConfig.from_pretrained(path).vocab_size
     span = lambda s: tuple(int(x) for x in s.split("-"))  # noqa: E731
     workload = make_workload(args.num_requests, span(args.input_len), span(args.output_len), vocab, args.seed)
-    config = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs)
+    config = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                  num_kvcache_blocks=args.kv_cache_tokens // args.block_size + 1,  # + the null block
+                  max_model_len=max(len(r.prompt) + r.output_len for r in workload))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(workload)} requests, "
           f"{sum(len(r.prompt) for r in workload)} prompt + {sum(r.output_len for r in workload)} output tokens")
     if args.online:
