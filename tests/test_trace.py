@@ -92,7 +92,7 @@ def test_plot_block_map_draws_every_slot_of_every_block(tiny_llama):
     ax = plot_block_map(manager, engine)
     assert len(ax.patches) == 8 * 4
     assert [t.get_text() for t in ax.get_yticklabels()] == [f"block {b}" for b in range(8)]
-    labels = [t.get_text() for t in ax.texts if t.get_text().startswith(("ref_cnt", "null"))]
+    labels = [t.get_text() for t in ax.texts if t.get_text().startswith(("ref_cnt", "null"))]  # no block shared
     assert labels == ["null"] + [f"ref_cnt {manager.blocks[b].ref_cnt}" for b in range(1, 8)]
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert legend == ["request 1", "request 2", "free", "free, cached", "null block"]
