@@ -10,10 +10,14 @@ Both only read: they never change the engine, the scheduler or the block manager
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from nanoserve.block_manager import BlockManager
 from nanoserve.engine import LLMEngine, StepResult
 from nanoserve.sequence import Sequence
+
+if TYPE_CHECKING:  # matplotlib is imported only when a picture is drawn
+    from matplotlib.axes import Axes
 
 FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens")
 
@@ -60,7 +64,8 @@ def known_prompt_lens(result: StepResult, engine: LLMEngine | None) -> dict[str,
     return lens
 
 
-def plot_block_map(block_manager: BlockManager, requests: Iterable[Sequence] | LLMEngine, ax=None):
+def plot_block_map(block_manager: BlockManager, requests: Iterable[Sequence] | LLMEngine,
+                   ax: Axes | None = None) -> Axes:
     """Draw the KV cache: a row per block, a cell per slot, each cell labelled with its token id.
 
     A slot is solid in its request's colour once its KV is computed, pale while only reserved.
@@ -112,7 +117,7 @@ def plot_block_map(block_manager: BlockManager, requests: Iterable[Sequence] | L
     return ax
 
 
-def request_colour(request_id: str) -> tuple:
+def request_colour(request_id: str) -> tuple[float, float, float, float]:
     """A request keeps its colour from picture to picture, whoever else comes and goes."""
     import matplotlib.pyplot as plt
     index = int(request_id) if request_id.isdigit() else sum(map(ord, request_id))
