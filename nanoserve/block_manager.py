@@ -13,6 +13,7 @@ Invariants:
   so one key names the whole prefix up to and including that block. A hit is verified against the
   block's tokens, so a hash collision can only cost a miss, never a wrong answer.
 - Shared blocks are full, hence read-only: a request only ever writes into its own last blocks.
+`assert_invariants` and `assert_writable` check all of this (tests call them after every step).
 """
 from __future__ import annotations
 
@@ -121,3 +122,35 @@ class BlockManager:
         if block.hash is not None:
             del self.cached_blocks[block.hash]
             block.hash = block.token_ids = None
+
+    def assert_invariants(self, seqs: list[Sequence]) -> None:
+        """Check the invariants above against `seqs`, all the live requests; raise AssertionError
+        naming what broke. With no live request every block must be free: nothing leaked."""
+        holders: dict[int, list[tuple[Sequence, int]]] = {}  # block_id -> [(seq, index in its block table)]
+        for seq in seqs:
+            assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} holds a block twice"
+            assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, f"{seq} has KV without blocks"
+            for i, block_id in enumerate(seq.block_table):
+                holders.setdefault(block_id, []).append((seq, i))
+        assert 0 not in holders and 0 not in self.free_queue, "the null block 0 was handed out or freed"
+        assert self.num_free_blocks + len(holders) == len(self.blocks) - 1, \
+            f"{self.num_free_blocks} free + {len(holders)} used blocks != {len(self.blocks) - 1} usable blocks"
+        for block in self.blocks[1:]:
+            held = holders.get(block.block_id, [])
+            where = f"block {block.block_id} with ref_cnt {block.ref_cnt}, in {len(held)} block tables,"
+            assert block.ref_cnt == len(held), f"{where} has a wrong ref_cnt"
+            assert (block.ref_cnt == 0) == (block.block_id in self.free_queue), f"{where} must be free iff unused"
+            # A shared block is read-only: full, and computed by every request that holds it.
+            assert len(held) < 2 or all(i < seq.num_computed_tokens // self.block_size for seq, i in held), \
+                f"{where} is shared but not full and computed in {[seq for seq, _ in held]}"
+        for block_hash, block_id in self.cached_blocks.items():
+            assert self.blocks[block_id].hash == block_hash, f"the prefix cache maps {block_hash} to block {block_id}"
+
+    def assert_writable(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """Check one step's plan: the slots each request writes, [num_computed_tokens,
+        num_computed_tokens + num_new), lie in blocks that no other request holds (ref_cnt 1)."""
+        for seq, num_new in scheduled:
+            end = seq.num_computed_tokens + num_new
+            assert end <= len(seq.block_table) * self.block_size, f"{seq} writes {num_new} slots past its blocks"
+            for block_id in seq.block_table[seq.num_computed_tokens // self.block_size:-(-end // self.block_size)]:
+                assert self.blocks[block_id].ref_cnt == 1, f"{seq} writes into shared block {block_id}"

@@ -117,6 +117,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def assert_invariants(self) -> None:
+        """Every unfinished request is in exactly one of the scheduler's queues, and the
+        scheduler's and block manager's invariants hold (see there). For tests."""
+        queued = {seq.request_id: seq for seq in [*self.scheduler.waiting, *self.scheduler.running]}
+        assert queued == self.requests, f"queued {sorted(queued)} != unfinished {sorted(self.requests)}"
+        self.scheduler.assert_invariants()
+
     def step(self) -> StepResult:
         scheduled = self.scheduler.schedule()
         if not scheduled:

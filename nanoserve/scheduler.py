@@ -13,7 +13,9 @@ and it goes back to the front of the queue. Its tokens are kept, so nothing is l
 `scheduling="static"` is the baseline from the seed chapter: a batch is admitted only when the
 previous one has completely finished, and KV space for prompt + max_tokens is reserved up front.
 
-Invariant: every accepted request is in exactly one of `waiting`, `running`, or finished.
+Invariants (`assert_invariants` checks them): every accepted request is in exactly one of
+`waiting`, `running`, or finished; waiting requests hold no blocks; a step writes only into blocks
+that the writing request alone holds.
 """
 from __future__ import annotations
 
@@ -135,3 +137,20 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
+
+    def assert_invariants(self, scheduled: list[ScheduledSeq] | None = None) -> None:
+        """Check the invariants above and the block manager's; given this step's plan (before
+        `update`), also check that it fits the limits and writes only into unshared blocks."""
+        live = [*self.waiting, *self.running]
+        assert len({id(seq) for seq in live}) == len(live), f"a request is queued twice: {live}"
+        assert all(s.status is SequenceStatus.WAITING and not s.block_table and s.num_computed_tokens == 0
+                   for s in self.waiting), f"a waiting request is not WAITING or holds KV: {list(self.waiting)}"
+        assert all(s.status is SequenceStatus.RUNNING for s in self.running), f"bad running: {self.running}"
+        assert len(self.running) <= self.config.max_num_seqs, f"{len(self.running)} running > max_num_seqs"
+        self.block_manager.assert_invariants(live)
+        if scheduled is not None:
+            seqs = [seq for seq, _ in scheduled]
+            assert len(set(map(id, seqs))) == len(seqs) and all(s in self.running for s in seqs), f"bad plan {scheduled}"
+            assert all(n > 0 for _, n in scheduled), f"a request scheduled with no tokens: {scheduled}"
+            assert sum(n for _, n in scheduled) <= self.config.max_num_batched_tokens, "token budget exceeded"
+            self.block_manager.assert_writable(scheduled)
