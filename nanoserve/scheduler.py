@@ -83,7 +83,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            seq.num_computed_tokens = seq.num_cached_tokens = num_computed
+            seq.num_computed_tokens = num_computed
+            # After a preemption the hits may reach into its own output: count only the prompt's.
+            seq.num_cached_tokens = min(num_computed, seq.num_prompt_tokens)
             self.running.append(seq)
             if num_new > 0:
                 scheduled.append((seq, num_new))

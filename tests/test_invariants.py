@@ -144,6 +144,7 @@ def test_random_workloads_keep_every_invariant(w: Workload):
     assert sched.block_manager.num_free_blocks == w.num_blocks - 1
     for seq, r in zip(seqs, w.requests):
         assert seq.status is SequenceStatus.FINISHED and not seq.block_table
+        assert seq.num_cached_tokens <= seq.num_prompt_tokens
         if seq.finish_reason == "abort":
             assert r.abort_step is not None
             assert seq.output_token_ids == expected_output(w, r)[:len(seq.output_token_ids)]
