@@ -117,6 +117,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def stats(self) -> dict[str, int]:
+        """For monitoring: requests waiting and running and free KV blocks now; since start, the
+        preemptions and the prompt tokens served from the prefix cache."""
+        scheduler = self.scheduler
+        return dict(num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
+                    num_free_blocks=scheduler.block_manager.num_free_blocks,
+                    num_preemptions=scheduler.num_preemptions, num_cached_tokens=scheduler.num_cached_tokens)
+
     def assert_invariants(self) -> None:
         """Every unfinished request is in exactly one of the scheduler's queues, and the
         scheduler's and block manager's invariants hold (see there). For tests."""

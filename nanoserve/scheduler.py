@@ -38,6 +38,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is last
         self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache, over all admissions
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -86,6 +87,7 @@ class Scheduler:
             seq.num_computed_tokens = num_computed
             # After a preemption the hits may reach into its own output: count only the prompt's.
             seq.num_cached_tokens = min(num_computed, seq.num_prompt_tokens)
+            self.num_cached_tokens += seq.num_cached_tokens
             self.running.append(seq)
             if num_new > 0:
                 scheduled.append((seq, num_new))

@@ -1,0 +1,283 @@
+"""A request's life in the engine: aborts in every state, blocks back in the step a request ends,
+memory pressure, metrics, start-up checks, bad input that leaves the engine serving, determinism."""
+import math
+import random
+import shutil
+from collections.abc import Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config
+
+from conftest import hf_greedy
+from nanoserve import LLM, LLMEngine, SamplingParams
+from nanoserve.sequence import SequenceStatus
+
+rng = random.Random(1)
+PREFIX = [rng.randrange(3, 256) for _ in range(8)]
+PROMPTS = [PREFIX + [rng.randrange(3, 256) for _ in range(5)],
+           [rng.randrange(3, 256) for _ in range(5)],
+           [rng.randrange(3, 256) for _ in range(22)],
+           PREFIX + [rng.randrange(3, 256)],
+           [rng.randrange(3, 256) for _ in range(17)],
+           [rng.randrange(3, 256)]]
+MAX_TOKENS = [19, 20, 10, 6, 12, 3]
+
+references: dict[str, list[list[int]]] = {}
+
+
+def reference(path: str) -> list[list[int]]:
+    """transformers' greedy output for PROMPTS, computed once per model."""
+    if path not in references:
+        references[path] = hf_greedy(path, PROMPTS, MAX_TOKENS)
+    return references[path]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens)
+
+
+def run_to_completion(engine: LLMEngine) -> dict[str, list[int]]:
+    """Step until every request has finished, checking the invariants after each step."""
+    outputs = {}
+    for _ in range(1000):
+        if not engine.has_unfinished_requests():
+            return outputs
+        outputs.update((o.request_id, o.token_ids) for o in engine.step().outputs)
+        engine.assert_invariants()
+    raise AssertionError("requests did not finish in 1000 steps")
+
+
+# ---------------------------------------------------------------------------------------------
+# Aborts
+
+def reach(engine: LLMEngine, done: Callable[[], bool], what: str) -> None:
+    """Step until `done()`."""
+    for _ in range(50):
+        if done():
+            return
+        engine.step()
+    raise AssertionError(f"never reached: {what}")
+
+
+@pytest.mark.parametrize("state", ["waiting", "prefilling", "decoding", "preempted"])
+def test_abort_in_any_state_frees_blocks_at_once(tiny_models, state):
+    path = tiny_models["gqa"]
+    config = dict(block_size=4, max_num_batched_tokens=8 if state == "prefilling" else 2048,
+                  max_num_seqs=1 if state == "waiting" else 8)
+    if state == "preempted":  # 8 usable blocks; the requests grow to 8 and 7 blocks
+        config.update(num_kvcache_blocks=9, max_model_len=32)
+    engine = LLM(path, **config).engine
+    victim, other = (2, 1) if state == "prefilling" else (1, 0)  # PROMPTS[2] has 22 tokens: 3 chunks
+    # A waiting or preempted victim came second; a prefilling or decoding one first.
+    order = (victim, other) if state in ("prefilling", "decoding") else (other, victim)
+    ids = {i: engine.add_request(PROMPTS[i], greedy(MAX_TOKENS[i])) for i in order}
+    victim_id, other_id = ids[victim], ids[other]
+    seq = engine.requests[victim_id]
+    reach(engine, {
+        "waiting": lambda: engine.requests[other_id].status is SequenceStatus.RUNNING,
+        "prefilling": lambda: 0 < seq.num_computed_tokens < seq.num_prompt_tokens,
+        "decoding": lambda: len(seq.output_token_ids) >= 3,
+        "preempted": lambda: seq.status is SequenceStatus.WAITING and len(seq.output_token_ids) > 0,
+    }[state], state)
+    bm = engine.scheduler.block_manager
+    own_blocks = [b for b in seq.block_table if bm.blocks[b].ref_cnt == 1]
+    num_free = bm.num_free_blocks
+    output = engine.abort_request(victim_id)
+    assert output.finish_reason == "abort" and output.token_ids == reference(path)[victim][:len(output.token_ids)]
+    assert bm.num_free_blocks == num_free + len(own_blocks) and all(b in bm.free_queue for b in own_blocks)
+    assert seq.status is SequenceStatus.FINISHED and victim_id not in engine.requests
+    engine.assert_invariants()
+    assert run_to_completion(engine) == {other_id: reference(path)[other]}
+    assert bm.num_free_blocks == engine.model_runner.num_blocks - 1
+
+
+def test_abort_of_an_unknown_or_finished_request_is_a_value_error(tiny_models):
+    engine = LLM(tiny_models["gqa"], block_size=4).engine
+    with pytest.raises(ValueError, match="no unfinished request with id 'nope'"):
+        engine.abort_request("nope")
+    done = engine.add_request(PROMPTS[5], greedy(1))
+    run_to_completion(engine)
+    with pytest.raises(ValueError, match=f"no unfinished request with id '{done}'"):
+        engine.abort_request(done)
+
+
+def test_finished_requests_free_their_blocks_in_the_same_step(tiny_models):
+    path = tiny_models["gqa"]
+    engine = LLM(path, block_size=4, max_num_batched_tokens=16).engine
+    ids = [engine.add_request(p, greedy(n)) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    bm, outputs = engine.scheduler.block_manager, {}
+    while engine.has_unfinished_requests():
+        held = {request_id: list(seq.block_table) for request_id, seq in engine.requests.items()}
+        result = engine.step()
+        still_held = {b for seq in engine.requests.values() for b in seq.block_table}
+        for output in result.outputs:
+            outputs[output.request_id] = output.token_ids
+            assert all(b in bm.free_queue for b in held[output.request_id] if b not in still_held)
+    assert [outputs[i] for i in ids] == reference(path)
+    assert bm.num_free_blocks == engine.model_runner.num_blocks - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory pressure and metrics
+
+def test_heavy_load_in_a_barely_big_enough_cache(tiny_models):
+    path = tiny_models["gqa"]
+    load_rng = random.Random(7)
+    prompts = [PREFIX[:load_rng.randrange(9)] + [load_rng.randrange(3, 256) for _ in range(load_rng.randrange(1, 30))]
+               for _ in range(16)]
+    params = [greedy(load_rng.randrange(1, 64 - len(p))) for p in prompts]
+    roomy = LLM(path, block_size=4, max_model_len=64)
+    # In two rounds, so that the second finds the first's prefixes in the cache.
+    expected = roomy.generate(prompts[:4], params[:4], use_tqdm=False)
+    expected += roomy.generate(prompts[4:], params[4:], use_tqdm=False)
+    assert roomy.engine.stats()["num_cached_tokens"] == sum(o.num_cached_tokens for o in expected) > 0
+    # One block more than a 64-token request needs: requests mostly run one or two at a time.
+    tight = LLM(path, block_size=4, max_model_len=64, num_kvcache_blocks=17, max_num_batched_tokens=32)
+    outputs = tight.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    assert all(o.finish_reason == "length" and o.num_cached_tokens <= len(o.prompt_token_ids) for o in outputs)
+    stats = tight.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_preemptions"] == tight.engine.scheduler.num_preemptions
+    assert (stats["num_waiting"], stats["num_running"], stats["num_free_blocks"]) == (0, 0, 16)
+
+
+def test_a_cache_too_small_for_one_request_is_rejected_with_the_numbers(tiny_models):
+    path = tiny_models["gqa"]
+    with pytest.raises(ValueError) as error:
+        LLM(path, block_size=4, num_kvcache_blocks=16, max_model_len=64)
+    for numbers in ("15 usable blocks", "4 slots", "60 tokens", "max_model_len=64"):
+        assert numbers in str(error.value)
+    # One block more is enough, even for a prompt that fills max_model_len with its output.
+    prompt = PROMPTS[2] * 3  # 66 tokens: cut to 60
+    output = LLM(path, block_size=4, num_kvcache_blocks=17, max_model_len=64).generate(
+        [prompt[:60]], [greedy(10)], use_tqdm=False)[0]
+    assert (output.token_ids, output.finish_reason) == (hf_greedy(path, [prompt[:60]], [4])[0], "length")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: a clear error, and the engine (or the next engine) serves the next request normally
+
+@pytest.fixture(scope="module")
+def llm(tiny_models) -> LLM:
+    return LLM(tiny_models["gqa"], block_size=4)
+
+
+def serves_normally(llm: LLM) -> None:
+    assert not llm.engine.has_unfinished_requests()
+    outputs = llm.generate(PROMPTS[3:], [greedy(n) for n in MAX_TOKENS[3:]], use_tqdm=False)
+    assert [o.token_ids for o in outputs] == reference(llm.engine.config.model)[3:]
+    llm.engine.assert_invariants()
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    (PROMPTS[1], dict(max_tokens=5), "must be a SamplingParams"),
+    ([[1, 2]], None, "list of int"),
+    ([True, 5], None, "list of int"),
+    (None, None, "string or a list"),
+])
+def test_bad_request_is_rejected_and_the_engine_keeps_serving(llm, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.engine.add_request(prompt, params)
+    serves_normally(llm)
+
+
+def test_a_duplicate_request_id_leaves_the_first_request_alone(llm):
+    llm.engine.add_request(PROMPTS[0], greedy(MAX_TOKENS[0]), request_id="a")
+    with pytest.raises(ValueError, match="already in use"):
+        llm.engine.add_request(PROMPTS[1], greedy(5), request_id="a")
+    assert run_to_completion(llm.engine) == {"a": reference(llm.engine.config.model)[0]}
+    with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
+        llm.generate([PROMPTS[0]], [greedy(1), greedy(1)], use_tqdm=False)
+    serves_normally(llm)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=math.nan), "temperature"),
+    (dict(top_p=math.nan), "top_p"),
+    (dict(top_k=1.5), "top_k"),
+    (dict(max_tokens=2.5), "max_tokens"),
+    (dict(seed="1"), "seed"),
+    (dict(stop_token_ids=[1.5]), "stop_token_ids"),
+])
+def test_bad_sampling_params_then_a_normal_request(llm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+    serves_normally(llm)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_size=0), "block_size"),
+    (dict(max_num_seqs=-1), "max_num_seqs"),
+    (dict(max_num_batched_tokens=1.5), "max_num_batched_tokens"),
+    (dict(num_kvcache_blocks=1), "num_kvcache_blocks"),
+    (dict(scheduling="fifo"), "scheduling"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(gpu_memory_utilization=0), "gpu_memory_utilization"),
+    (dict(max_model_len=512), "exceeds the model's max_position_embeddings=256"),
+])
+def test_bad_config_then_a_normal_engine(tiny_models, llm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_models["gqa"], **kwargs)
+    serves_normally(llm)
+
+
+def drop_a_tensor(path: str) -> None:  # as in test_llama, but through LLM
+    tensors = load_file(f"{path}/model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+
+
+def reshape_a_tensor(path: str) -> None:
+    tensors = load_file(f"{path}/model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 64)
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("damage, message", [
+    (drop_a_tensor, r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"),
+    (reshape_a_tensor, r"'model\.layers\.0\.self_attn\.k_proj\.weight' has shape"),
+    (lambda path: GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(path), "'gpt2'"),
+])
+def test_bad_checkpoint_then_a_normal_engine(tiny_models, llm, tmp_path, damage, message):
+    path = str(tmp_path / "model")
+    shutil.copytree(tiny_models["gqa"], path)
+    damage(path)
+    with pytest.raises(ValueError, match=message):
+        LLM(path)
+    serves_normally(llm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism
+
+MIXES = [  # (indices of PROMPTS in arrival order, engine config)
+    ([3, 0, 5], dict(block_size=4)),
+    ([2, 1, 4, 0, 3], dict(block_size=1, max_num_batched_tokens=7)),
+    ([5, 4, 3, 2, 1, 0], dict(block_size=4, num_kvcache_blocks=9, max_model_len=32)),  # preempts
+    ([0, 3], dict(block_size=16, scheduling="static")),
+]
+
+
+def test_greedy_output_does_not_depend_on_the_batch(tiny_models):
+    path = tiny_models["gqa"]
+    alone = LLM(path, block_size=4)
+    expected = [alone.generate([p], [greedy(n)], use_tqdm=False)[0].token_ids for p, n in zip(PROMPTS, MAX_TOKENS)]
+    assert expected == reference(path)
+    for order, config in MIXES:
+        outputs = LLM(path, **config).generate([PROMPTS[i] for i in order], [greedy(MAX_TOKENS[i]) for i in order],
+                                               use_tqdm=False)
+        assert [o.token_ids for o in outputs] == [expected[i] for i in order], config
+
+
+def test_a_seeded_request_gives_the_same_tokens_in_any_mix(tiny_models):
+    path = tiny_models["gqa"]
+    seeded = SamplingParams(temperature=0.8, top_k=40, max_tokens=20, seed=7)
+    alone = LLM(path, block_size=4).generate([PROMPTS[1]], [seeded], use_tqdm=False)[0].token_ids
+    for order, config in MIXES:
+        order = order if 1 in order else order + [1]
+        # The seeded request arrives among unseeded sampled ones.
+        params = [seeded if i == 1 else SamplingParams(max_tokens=MAX_TOKENS[i]) for i in order]
+        outputs = LLM(path, **config).generate([PROMPTS[i] for i in order], params, use_tqdm=False)
+        assert outputs[order.index(1)].token_ids == alone, config
