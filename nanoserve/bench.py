@@ -249,11 +249,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-tokens", type=int, default=4096,
                    help="nanoserve's KV cache size for both schedulers: the memory a static batch must reserve")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--online", action="store_true", help="Poisson arrivals to nanoserve continuous and static")
     p.add_argument("--rates", default="1,2,4,8", help="with --online: request rates (req/s)")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     path = args.model or build_default_model(os.path.join(tempfile.gettempdir(), "nanoserve-bench"))
     from transformers import AutoConfig
     vocab = AutoConfig.from_pretrained(path).vocab_size

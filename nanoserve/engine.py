@@ -43,9 +43,17 @@ class RequestOutput:
 class StepResult:
     batch: Batch | None                  # the flat batch the model ran (None if nothing ran)
     scheduled: list[tuple[str, int]]     # (request_id, num_tokens) in batch order
-    num_prefill_tokens: int
-    num_decode_tokens: int
+    decode_ids: list[str]                # the requests that decoded (one token past the prompt);
+                                         # the others ran a prefill chunk
     outputs: list[RequestOutput]         # requests that finished in this step
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return len(self.decode_ids)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return 0 if self.batch is None else self.batch.input_ids.numel() - len(self.decode_ids)
 
 
 class LLMEngine:
@@ -137,16 +145,15 @@ class LLMEngine:
         if not scheduled:
             if self.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never expected
-            return StepResult(None, [], 0, 0, [])
-        num_decode = sum(n == 1 and seq.num_tokens > seq.num_prompt_tokens for seq, n in scheduled)
+            return StepResult(None, [], [], [])
+        decode_ids = [seq.request_id for seq, n in scheduled if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens]
         batch = build_batch(scheduled, self.config.block_size, self.device)
         sampling = [seq for seq, n in scheduled if seq.num_computed_tokens + n == seq.num_tokens]
         sampled = self.model_runner.run(batch, sampling)
         finished = self.scheduler.update(scheduled, sampled)
         for seq in finished:
             del self.requests[seq.request_id]
-        return StepResult(batch, [(seq.request_id, n) for seq, n in scheduled],
-                          int(batch.input_ids.numel()) - num_decode, num_decode,
+        return StepResult(batch, [(seq.request_id, n) for seq, n in scheduled], decode_ids,
                           [self.make_output(seq) for seq in finished])
 
     def make_output(self, seq: Sequence) -> RequestOutput:

@@ -22,14 +22,9 @@ if TYPE_CHECKING:  # matplotlib is imported only when a picture is drawn
 FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens")
 
 
-def format_step(result: StepResult, step_index: int | None = None, engine: LLMEngine | None = None) -> str:
-    """The step as text, one `name = [...]` line per array of its Batch.
-
-    A request is a decode when it ran one token at a position past its prompt. The batch does not
-    carry prompt lengths: pass the engine (after the step) to know them exactly; without it a
-    one-token step at position > 0 counts as a decode, which misnames the one-token prefill left
-    by a prefix-cache hit on a whole prompt.
-    """
+def format_step(result: StepResult, step_index: int | None = None) -> str:
+    """The step as text, one `name = [...]` line per array of its Batch, then which requests ran a
+    prefill chunk, which decoded one token, and which finished."""
     title = "step" if step_index is None else f"step {step_index}"
     batch = result.batch
     if batch is None:
@@ -40,12 +35,10 @@ def format_step(result: StepResult, step_index: int | None = None, engine: LLMEn
     # Rows are padded to the longest table with the null block 0, which no request owns: drop it.
     tables = [[b for b in row if b != 0] for row in batch.block_tables.tolist()]
     lines.append(f"{'block_tables':<15} = {tables}")
-    prompt_lens = known_prompt_lens(result, engine)
     prefill, decode = [], []
     for (request_id, num_tokens), start in zip(result.scheduled, batch.query_start_loc.tolist()):
         first_position = batch.positions[start].item()
-        # Unknown prompt length: assume 1, so any one-token step past position 0 is a decode.
-        if num_tokens == 1 and first_position >= prompt_lens.get(request_id, 1):
+        if request_id in result.decode_ids:
             decode.append(f"{request_id} at position {first_position}")
         else:
             prefill.append(f"{request_id} ({num_tokens} tokens from position {first_position})")
@@ -53,15 +46,6 @@ def format_step(result: StepResult, step_index: int | None = None, engine: LLMEn
     for name, items in (("prefill", prefill), ("decode", decode), ("finished", finished)):
         lines.append(f"{name:<15} : {', '.join(items) or '-'}")
     return "\n".join(lines)
-
-
-def known_prompt_lens(result: StepResult, engine: LLMEngine | None) -> dict[str, int]:
-    """Prompt length of each request the engine still holds or that just finished."""
-    if engine is None:
-        return {}
-    lens = {o.request_id: len(o.prompt_token_ids) for o in result.outputs}
-    lens.update((rid, seq.num_prompt_tokens) for rid, seq in engine.requests.items())
-    return lens
 
 
 def plot_block_map(block_manager: BlockManager, requests: Iterable[Sequence] | LLMEngine,

@@ -93,7 +93,7 @@ WALKTHROUGH = notebook(
     """,
     """
     step1 = engine.step()
-    print(format_step(step1, 1, engine))
+    print(format_step(step1, 1))
     batch = step1.batch
     assert batch.input_ids.tolist() == [1, 2, 3, 4, 5, 1, 6, 5, 7, 8, 9, 10, 1, 12, 13]
     assert batch.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2]
@@ -149,7 +149,7 @@ WALKTHROUGH = notebook(
     """
     sampled = [seqs[r].token_ids[-1] for r in "012"]
     step2 = engine.step()
-    print(format_step(step2, 2, engine))
+    print(format_step(step2, 2))
     batch = step2.batch
     assert batch.input_ids.tolist() == sampled
     assert batch.positions.tolist() == [5, 7, 3]
@@ -172,7 +172,7 @@ WALKTHROUGH = notebook(
     """,
     """
     step3 = engine.step()
-    print(format_step(step3, 3, engine))
+    print(format_step(step3, 3))
     manager = engine.scheduler.block_manager
     assert step3.batch.positions.tolist() == [6, 8, 4]
     assert step3.batch.slot_mapping.tolist() == [10, 24, 28]
@@ -200,7 +200,7 @@ WALKTHROUGH = notebook(
     engine.add_request([1, 20, 21, 22, 23, 24], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     seqs.update(engine.requests)
     step4 = engine.step()
-    print(format_step(step4, 4, engine))
+    print(format_step(step4, 4))
     batch = step4.batch
     assert step4.scheduled == [("1", 1), ("2", 1), ("3", 6)]
     assert batch.positions.tolist() == [9, 5, 0, 1, 2, 3, 4, 5]
@@ -225,7 +225,7 @@ WALKTHROUGH = notebook(
     while engine.has_unfinished_requests():
         step_index += 1
         result = engine.step()
-        print(format_step(result, step_index, engine), end="\\n\\n")
+        print(format_step(result, step_index), end="\\n\\n")
     assert [len(seqs[r].output_token_ids) for r in "0123"] == [3, 6, 6, 3]
     assert manager.num_free_blocks == 7
     assert all(manager.blocks[b].hash is not None for b in range(1, 8))  # all full, all still cached
@@ -477,7 +477,7 @@ PREFIX_CACHING_AND_PREEMPTION = notebook(
     engine = LLM(MODEL, block_size=4, num_kvcache_blocks=16, max_model_len=32).engine
     manager = engine.scheduler.block_manager
     first = engine.add_request(PROMPTS[0], greedy(8))
-    print(format_step(engine.step(), 1, engine))
+    print(format_step(engine.step(), 1))
     """,
     """md:
     ### The hash chain
@@ -509,7 +509,7 @@ PREFIX_CACHING_AND_PREEMPTION = notebook(
     """
     others = [engine.add_request(prompt, greedy(8)) for prompt in PROMPTS[1:]]
     result = engine.step()
-    print(format_step(result, 2, engine))
+    print(format_step(result, 2))
     shared = seq.block_table[:4]
     for request_id in others:
         assert engine.requests[request_id].block_table[:4] == shared

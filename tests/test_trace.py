@@ -47,7 +47,7 @@ def test_engine_replays_the_walkthrough_numbers(tiny_llama):
 
 def test_format_step_prints_the_walkthrough_lines(tiny_llama):
     engine = walkthrough_engine(tiny_llama, [4, 4, 1])
-    text = format_step(engine.step(), 1, engine)
+    text = format_step(engine.step(), 1)
     lines = text.splitlines()
     assert lines[0] == "step 1: 3 requests, 15 tokens (15 prefill, 0 decode)"
     for line in ["input_ids       = [1, 2, 3, 4, 5, 1, 6, 5, 7, 8, 9, 10, 1, 12, 13]",
@@ -61,23 +61,22 @@ def test_format_step_prints_the_walkthrough_lines(tiny_llama):
                  "decode          : -",
                  "finished        : 2 (length, 1 tokens out)"]:
         assert line in lines
-    text = format_step(engine.step(), 2, engine)
+    text = format_step(engine.step(), 2)
     assert "decode          : 0 at position 5, 1 at position 7" in text
     assert "prefill         : -" in text
 
 
 def test_format_step_tells_a_prefix_hit_from_a_decode(tiny_llama):
     # The second request's prompt is all cached but its last token: one token at position 8
-    # that is still a prefill. Only the engine knows the prompt length that says so.
+    # that is still a prefill, though it looks like a decode in the batch.
     engine = LLM(tiny_llama, block_size=4).engine
     prompt = list(range(20, 29))
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id="first")
     engine.step()
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id="again")
     result = engine.step()
-    assert result.scheduled == [("again", 1)]
-    assert "prefill         : again (1 tokens from position 8)" in format_step(result, engine=engine)
-    assert "decode          : again at position 8" in format_step(result)  # guessed without the engine
+    assert result.scheduled == [("again", 1)] and result.decode_ids == []
+    assert "prefill         : again (1 tokens from position 8)" in format_step(result)
 
 
 def test_format_step_of_an_idle_step(tiny_llama):
