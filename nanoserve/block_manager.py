@@ -11,7 +11,8 @@ Invariants:
   queue is also the least-recently-used order of the cache.
 - Prefix caching: a full block is keyed by a hash chained over (parent block's hash, its tokens),
   so one key names the whole prefix up to and including that block. A hit is verified against the
-  block's tokens, so a hash collision can only cost a miss, never a wrong answer.
+  block's own tokens; a wrong hit would need two different prefixes whose 64-bit chained hashes
+  collide, which we accept (as vLLM does).
 - Shared blocks are full, hence read-only: a request only ever writes into its own last blocks.
 `assert_invariants` and `assert_writable` check all of this (tests call them after every step).
 """

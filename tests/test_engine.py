@@ -137,6 +137,11 @@ def test_bad_prompt_is_rejected_and_the_engine_keeps_serving(tiny_models, bad_pr
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"),
     (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(temperature="0"), "temperature"),
+    (dict(top_p=None), "top_p"),
+    (dict(seed=1.5), "seed"),
+    (dict(stop_token_ids=[2, "x"]), "stop_token_ids"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
