@@ -2,6 +2,7 @@
 
     python example.py                  # the tiny Llama that ships with nanoserve (trained on Jane Austen)
     python example.py --model PATH     # any local Llama checkpoint folder (config.json, safetensors, tokenizer)
+    python example.py --trace          # also print the first steps as the walkthrough's arrays
 
 Seven requests start together; an eighth arrives a few steps later and joins the running batch.
 It repeats the opening of an earlier prompt, so its first KV blocks come from the prefix cache.
@@ -11,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from nanoserve import DEFAULT_MODEL, LLM, LLMEngine, RequestOutput, SamplingParams, StepResult
+from nanoserve.trace import format_step
 
 OPENING = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
@@ -55,6 +57,8 @@ class Stats:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a local Llama checkpoint folder (default: the bundled one)")
+    parser.add_argument("--trace", nargs="?", type=int, const=4, default=0, metavar="STEPS",
+                        help="print the first STEPS steps (default 4) the way the walkthrough shows them")
     args = parser.parse_args()
     llm = LLM(args.model, block_size=16, max_num_seqs=8)  # the KV cache fits 8 full-length requests
     engine = llm.engine
@@ -67,6 +71,8 @@ def main() -> None:
         start = time.perf_counter()
         result = engine.step()  # schedule -> build_batch -> forward + sample -> update; see result.batch
         stats.record(result, engine, time.perf_counter() - start)
+        if stats.steps <= args.trace:
+            print(format_step(result, stats.steps), end="\n\n")
         outputs += result.outputs
         if stats.steps == LATE_STEP:
             engine.add_request(*LATE_PROMPT)

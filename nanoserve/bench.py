@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, from {ENGINES}")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--kv-cache-tokens", type=int, default=4096,
+    p.add_argument("--kv-cache-tokens", type=int, default=8192,
                    help="nanoserve's KV cache size for both schedulers: the memory a static batch must reserve")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", help="also write the results to this JSON file")

@@ -53,7 +53,10 @@ def test_greedy_matches_transformers(tokenizer) -> None:
 
 
 def test_example_runs() -> None:
-    result = subprocess.run([sys.executable, "example.py"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "example.py", "--trace", "2"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "Summary: 8 requests" in result.stdout
     assert re.search(r"prefix cache hits: [1-9]\d* prompt tokens", result.stdout)
+    # --trace 2: the first two steps as the walkthrough's arrays, no more
+    assert result.stdout.count("slot_mapping    = ") == 2 and "step 2: 7 requests, 7 tokens" in result.stdout
