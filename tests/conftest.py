@@ -1,10 +1,13 @@
 """Tiny random Llamas built with transformers and saved to a temp folder: no hub, no downloads."""
+import functools
 import json
 import os
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from nanoserve import SamplingParams
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=256, max_position_embeddings=256,
@@ -41,6 +44,20 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     paths = {name: build_tiny_llama(str(root / name), **kw) for name, kw in MODELS.items()}
     paths["llama3_old"] = build_tiny_llama(str(root / "llama3_old"), old_style_rope=True, **MODELS["llama3"])
     return paths
+
+
+@functools.cache
+def hf_greedy_cached(path: str, prompts: tuple[tuple[int, ...], ...], max_tokens: tuple[int, ...]) -> list[list[int]]:
+    return hf_greedy(path, [list(p) for p in prompts], list(max_tokens))
+
+
+def reference(path: str, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """hf_greedy, computed once per (model, prompts, max_tokens) in a test session."""
+    return hf_greedy_cached(path, tuple(map(tuple, prompts)), tuple(max_tokens))
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens)
 
 
 def hf_greedy(path: str, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:

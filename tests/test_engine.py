@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import hf_greedy
+import conftest
+from conftest import greedy
 from nanoserve import LLM, SamplingParams
 
 # Mixed lengths; prompts 3 and 4 share a 24-token prefix with prompt 0.
@@ -28,17 +29,9 @@ SETUPS = {
     "no_prefix_caching": dict(block_size=4, enable_prefix_caching=False),
 }
 
-references: dict[str, list[list[int]]] = {}
-
-
 def reference(path: str) -> list[list[int]]:
-    if path not in references:
-        references[path] = hf_greedy(path, PROMPTS, MAX_TOKENS)
-    return references[path]
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens)
+    """transformers' greedy output for PROMPTS (computed once per model)."""
+    return conftest.reference(path, PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("setup", SETUPS)

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config
 
-from conftest import hf_greedy
+import conftest
+from conftest import greedy
 from nanoserve import LLM, LLMEngine, SamplingParams
 from nanoserve.sequence import SequenceStatus
 
@@ -24,18 +25,9 @@ PROMPTS = [PREFIX + [rng.randrange(3, 256) for _ in range(5)],
            [rng.randrange(3, 256)]]
 MAX_TOKENS = [19, 20, 10, 6, 12, 3]
 
-references: dict[str, list[list[int]]] = {}
-
-
 def reference(path: str) -> list[list[int]]:
-    """transformers' greedy output for PROMPTS, computed once per model."""
-    if path not in references:
-        references[path] = hf_greedy(path, PROMPTS, MAX_TOKENS)
-    return references[path]
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens)
+    """transformers' greedy output for PROMPTS (computed once per model)."""
+    return conftest.reference(path, PROMPTS, MAX_TOKENS)
 
 
 def run_to_completion(engine: LLMEngine) -> dict[str, list[int]]:
@@ -153,7 +145,7 @@ def test_a_cache_too_small_for_one_request_is_rejected_with_the_numbers(tiny_mod
     prompt = PROMPTS[2] * 3  # 66 tokens: cut to 60
     output = LLM(path, block_size=4, num_kvcache_blocks=17, max_model_len=64).generate(
         [prompt[:60]], [greedy(10)], use_tqdm=False)[0]
-    assert (output.token_ids, output.finish_reason) == (hf_greedy(path, [prompt[:60]], [4])[0], "length")
+    assert (output.token_ids, output.finish_reason) == (conftest.reference(path, [prompt[:60]], [4])[0], "length")
 
 
 # ---------------------------------------------------------------------------------------------
