@@ -199,12 +199,14 @@ def flash_attn_importable() -> bool:
     return True
 
 
-def check_backend(backend: str, block_size: int) -> None:
-    """Fail at start-up, not mid-run, on a backend the KV cache layout cannot serve."""
+def check_backend(backend: str, block_size: int, dtype: torch.dtype) -> None:
+    """Fail at start-up, not mid-run, on a backend the KV cache layout or dtype cannot serve."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose 'torch' or 'flash'")
     if backend == "flash" and block_size % 256 != 0:  # flash-attn's paged KV needs whole 256-token pages
         raise ValueError(f"the flash attention backend needs block_size a multiple of 256, got {block_size}")
+    if backend == "flash" and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the flash attention backend needs dtype float16 or bfloat16, got {dtype}")
 
 
 def load_backend(backend: str) -> tuple[Callable[..., Tensor], Callable[..., Tensor]]:

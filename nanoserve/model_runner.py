@@ -24,7 +24,7 @@ class ModelRunner:
         self.device = device
         self.dtype = resolve_dtype(config.dtype, device)
         self.backend = select_backend(config.attention_backend, device)
-        check_backend(self.backend, config.block_size)
+        check_backend(self.backend, config.block_size, self.dtype)
         self.model = load_model(config.model, self.dtype, device, self.backend)
         self.num_blocks = config.num_kvcache_blocks or self.size_kv_cache(config, max_model_len)
         # [2 (k and v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]: flash-attn's

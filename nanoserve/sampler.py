@@ -58,7 +58,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     noise = torch.empty_like(probs).exponential_()
     for row, gen in enumerate(generators):
         if gen is not None:
-            noise[row] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=gen)
+            noise[row] = torch.empty(probs.shape[1]).exponential_(generator=gen)  # a CPU generator, any device
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = torch.tensor([p.temperature == 0 for p in params], device=logits.device)
     return torch.where(is_greedy, greedy, sampled).tolist()

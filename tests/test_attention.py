@@ -229,12 +229,14 @@ def test_select_backend():
 
 
 def test_check_backend():
-    check_backend("torch", 16)
-    check_backend("flash", 256)
+    check_backend("torch", 16, torch.float32)
+    check_backend("flash", 256, torch.bfloat16)
     with pytest.raises(ValueError, match="256"):
-        check_backend("flash", 16)
+        check_backend("flash", 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        check_backend("flash", 256, torch.float32)
     with pytest.raises(ValueError):
-        check_backend("nope", 16)
+        check_backend("nope", 16, torch.float32)
 
 
 def test_unsupported_options_raise():
