@@ -151,7 +151,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
     """flash-attn's attention against a KV cache: q `[B, seqlen_q, H, D]` -> `[B, seqlen_q, H, D]`.
 
     Request b attends to its first `cache_seqlens[b]` cached tokens (plus the new k, v, if given,
-    which are first written into the cache after them). One batched SDPA call, no per-request loop.
+    which are first written into the cache after them). Two batched SDPA calls at most, no per-request loop.
     """
     reject_unsupported(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
                        cache_leftpad=cache_leftpad, window_size=window_size, softcap=softcap,
@@ -185,15 +185,21 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
 
 # ----------------------------------------------------------------------------- choosing a backend
 
-def select_backend(name: str, device: torch.device) -> str:
-    """Resolve "auto" | "torch" | "flash" to the backend to use on `device`."""
-    is_cuda = torch.device(device).type == "cuda"
-    if name == "auto":
-        return "flash" if is_cuda and flash_attn_importable() else "torch"
-    if name not in BACKENDS:
+def select_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype) -> str:
+    """Resolve "auto" | "torch" | "flash", failing at start-up, not mid-run, on a choice that cannot
+    serve: flash-attn needs CUDA, fp16 or bf16, and whole 256-token pages for its paged KV cache.
+    "auto" takes flash only where it fits, and the torch backend everywhere else."""
+    if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown attention backend {name!r}; choose 'auto', 'torch' or 'flash'")
+    is_cuda = torch.device(device).type == "cuda"
+    flash_fits = block_size % 256 == 0 and dtype in (torch.float16, torch.bfloat16)
+    if name == "auto":
+        return "flash" if is_cuda and flash_fits and flash_attn_importable() else "torch"
     if name == "flash" and not is_cuda:
         raise ValueError(f"the flash attention backend needs a CUDA device, got {device}")
+    if name == "flash" and not flash_fits:
+        raise ValueError(f"the flash attention backend needs block_size a multiple of 256 and dtype float16 "
+                         f"or bfloat16, got block_size={block_size}, dtype={dtype}")
     return name
 
 
@@ -205,24 +211,12 @@ def flash_attn_importable() -> bool:
     return True
 
 
-def check_backend(backend: str, block_size: int, dtype: torch.dtype) -> None:
-    """Fail at start-up, not mid-run, on a backend the KV cache layout or dtype cannot serve."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose 'torch' or 'flash'")
-    if backend == "flash" and block_size % 256 != 0:  # flash-attn's paged KV needs whole 256-token pages
-        raise ValueError(f"the flash attention backend needs block_size a multiple of 256, got {block_size}")
-    if backend == "flash" and dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"the flash attention backend needs dtype float16 or bfloat16, got {dtype}")
-
-
 def load_backend(backend: str) -> tuple[Callable[..., Tensor], Callable[..., Tensor]]:
     """The backend's (flash_attn_varlen_func, flash_attn_with_kvcache)."""
     if backend == "flash":
         import flash_attn  # imported only when chosen: it exists only on CUDA machines
         return flash_attn.flash_attn_varlen_func, flash_attn.flash_attn_with_kvcache
-    if backend == "torch":
-        return flash_attn_varlen_func, flash_attn_with_kvcache
-    raise ValueError(f"unknown attention backend {backend!r}; choose 'torch' or 'flash'")
+    return flash_attn_varlen_func, flash_attn_with_kvcache
 
 
 class Attention(torch.nn.Module):

@@ -218,18 +218,19 @@ def run_online(path: str, workload: list[Request], rates: list[float], seed: int
             for _ in workload:
                 t += rng.expovariate(rate)
                 arrivals.append(t)
-            outputs, i, start = [], 0, time.perf_counter()
+            outputs, late, i, start = [], {}, 0, time.perf_counter()
             while i < len(workload) or engine.has_unfinished_requests():
                 now = time.perf_counter() - start
                 while i < len(workload) and arrivals[i] <= now:  # every request that has arrived joins
-                    engine.add_request(workload[i].prompt, SamplingParams(
+                    request_id = engine.add_request(workload[i].prompt, SamplingParams(
                         temperature=0, max_tokens=workload[i].output_len, ignore_eos=True))
+                    late[request_id] = now - arrivals[i]  # it arrived during a step: count that wait
                     i += 1
                 if engine.has_unfinished_requests():
                     outputs += engine.step().outputs
                 else:
                     time.sleep(max(0.0, arrivals[i] - now))
-            ttft = [o.ttft for o in outputs]
+            ttft = [o.ttft + late[o.request_id] for o in outputs]
             tpot = [(o.latency - o.ttft) / max(1, len(o.token_ids) - 1) for o in outputs]
             lines.append(f"| {scheduling} | {rate:g} | {percentile(ttft, 50):.2f} / {percentile(ttft, 99):.2f} | "
                          f"{1000 * percentile(tpot, 50):.1f} / {1000 * percentile(tpot, 99):.1f} | "

@@ -26,6 +26,7 @@ from nanoserve.sequence import Sequence
 
 @dataclass
 class Block:
+    """One block of `block_size` KV slots: who uses it (ref_cnt) and, once full, what it holds."""
     block_id: int
     ref_cnt: int = 0
     hash: int | None = None                  # set once the block is full and its KV computed
@@ -33,10 +34,13 @@ class Block:
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """The prefix-cache key of a full block: its tokens, chained to everything before them."""
     return hash((parent_hash, token_ids))
 
 
 class BlockManager:
+    """Hands out, shares, frees and caches the KV blocks of every request."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

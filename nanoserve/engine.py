@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from nanoserve.config import Config
 from nanoserve.batch import Batch, build_batch
+from nanoserve.config import Config
 from nanoserve.model_runner import ModelRunner
 from nanoserve.models.llama import read_config
 from nanoserve.sampler import SamplingParams
@@ -57,6 +58,9 @@ class StepResult:
 
 
 class LLMEngine:
+    """The serving loop: requests in (`add_request`), one step of continuous batching at a time
+    (`step`), finished requests out (`StepResult.outputs`)."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -74,9 +78,7 @@ class LLMEngine:
                 f"({(num_blocks - 1) * config.block_size} tokens), too few for one request of "
                 f"max_model_len={self.max_model_len} tokens: raise num_kvcache_blocks or lower max_model_len")
         self.tokenizer = load_tokenizer(config.model)
-        eos = hf_config.eos_token_id
-        eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.scheduler = Scheduler(config, num_blocks, self.max_model_len, eos_token_ids)
+        self.scheduler = Scheduler(config, num_blocks, self.max_model_len, read_eos_token_ids(config.model, hf_config))
         self.requests: dict[str, Sequence] = {}  # unfinished requests by id
         self.request_counter = itertools.count()
 
@@ -87,7 +89,8 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        request_id = str(next(self.request_counter)) if request_id is None else request_id
+        if request_id is None:  # the next number that no caller has taken as an id
+            request_id = next(i for i in map(str, self.request_counter) if i not in self.requests)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
@@ -141,6 +144,8 @@ class LLMEngine:
         self.scheduler.assert_invariants()
 
     def step(self) -> StepResult:
+        """One turn of continuous batching: schedule -> build_batch -> forward + sample -> update.
+        Every unfinished request whose turn it is gets its next prefill chunk or decode token."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self.has_unfinished_requests():
@@ -173,7 +178,13 @@ class LLM:
     def generate(self, prompts: list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Serve all prompts together; returns their outputs in input order."""
+        """Serve all prompts together; returns their outputs in input order. A single prompt (a
+        string or a list of token ids) is served as a list of one."""
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        if self.engine.has_unfinished_requests():
+            raise ValueError("LLM.generate needs an idle engine: requests added to llm.engine are "
+                             "served by calling llm.engine.step() until they finish")
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -203,7 +214,17 @@ class LLM:
         return [outputs[request_id] for request_id in ids]
 
 
-def load_tokenizer(path: str):
+def read_eos_token_ids(path: str, hf_config: PretrainedConfig) -> set[int]:
+    """EOS ids from config.json and, where present, generation_config.json (Llama 3 Instruct
+    lists its end-of-turn token only there)."""
+    from transformers import GenerationConfig
+    ids = [hf_config.eos_token_id]
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        ids.append(GenerationConfig.from_pretrained(path).eos_token_id)
+    return {i for eos in ids for i in (eos if isinstance(eos, list) else [eos]) if i is not None}
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     """The folder's tokenizer, or None if it has none (then prompts must be token ids)."""
     if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
         return None

@@ -10,7 +10,7 @@ import os
 import torch
 
 from nanoserve.batch import Batch
-from nanoserve.attention import check_backend, select_backend
+from nanoserve.attention import select_backend
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config
 from nanoserve.models.llama import load_model
 from nanoserve.sampler import sample
@@ -23,8 +23,7 @@ class ModelRunner:
     def __init__(self, config: Config, device: torch.device, max_model_len: int) -> None:
         self.device = device
         self.dtype = resolve_dtype(config.dtype, device)
-        self.backend = select_backend(config.attention_backend, device)
-        check_backend(self.backend, config.block_size, self.dtype)
+        self.backend = select_backend(config.attention_backend, device, config.block_size, self.dtype)
         self.model = load_model(config.model, self.dtype, device, self.backend)
         self.num_blocks = config.num_kvcache_blocks or self.size_kv_cache(config, max_model_len)
         # [2 (k and v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]: flash-attn's
@@ -58,6 +57,8 @@ class ModelRunner:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Config's dtype name -> torch dtype. "auto" is float32 on CPU, the precision the tests hold
+    token for token against transformers, and bfloat16 on CUDA, which flash-attn needs."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)

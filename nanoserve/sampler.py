@@ -33,7 +33,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        if self.stop_token_ids is not None and not all(is_int(t) for t in self.stop_token_ids):
+        if self.stop_token_ids is not None and not (isinstance(self.stop_token_ids, (list, tuple))
+                                                     and all(is_int(t) for t in self.stop_token_ids)):
             raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
 
 

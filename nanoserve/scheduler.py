@@ -10,7 +10,7 @@ Continuous batching works token by token, not request by request. Each step has 
 When blocks run out, the newest running request is preempted by recompute: its blocks are freed
 and it goes back to the front of the queue. Its tokens are kept, so nothing is lost.
 
-`scheduling="static"` is the baseline from the seed chapter: a batch is admitted only when the
+`scheduling="static"` is the baseline of the walkthrough's section 1 (static batching): a batch is admitted only when the
 previous one has completely finished, and KV space for prompt + max_tokens is reserved up front.
 
 Invariants (`assert_invariants` checks them): every accepted request is in exactly one of
@@ -30,6 +30,8 @@ ScheduledSeq = tuple[Sequence, int]  # a request and how many of its tokens run 
 
 
 class Scheduler:
+    """Owns the queues (`waiting`, `running`) and the block manager; plans each step."""
+
     def __init__(self, config: Config, num_blocks: int, max_model_len: int, eos_token_ids: set[int]) -> None:
         self.config = config
         self.max_model_len = max_model_len
@@ -124,6 +126,8 @@ class Scheduler:
         return finished
 
     def stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """"stop" at EOS (unless ignore_eos) or a stop token, "length" at max_tokens or
+        max_model_len, else None: keep going."""
         params = seq.params
         if (token in self.eos_token_ids and not params.ignore_eos) or token in (params.stop_token_ids or ()):
             return "stop"

@@ -22,6 +22,8 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
+    """One request. `token_ids` grows by one sampled token per decode step."""
+
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams) -> None:
         self.request_id = request_id

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from nanoserve.attention import (Attention, check_backend, flash_attn_varlen_func,
+from nanoserve import attention
+from nanoserve.attention import (Attention, flash_attn_varlen_func,
                                  flash_attn_with_kvcache, select_backend, store_kvcache)
 from nanoserve.batch import Batch
 
@@ -219,24 +220,24 @@ def test_attention_module_walkthrough():
         assert_close(out2[b:b + 1], reference(q2[b:b + 1], keys, values))
 
 
-def test_select_backend():
-    assert select_backend("auto", torch.device("cpu")) == "torch"
-    assert select_backend("torch", torch.device("cpu")) == "torch"
+def test_select_backend(monkeypatch):
+    cpu, cuda, bf16, fp32 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16, torch.float32
+    assert select_backend("auto", cpu, 16, fp32) == "torch"
+    assert select_backend("torch", cpu, 16, fp32) == "torch"
     with pytest.raises(ValueError, match="auto"):
-        select_backend("flashinfer", torch.device("cpu"))
-    with pytest.raises(ValueError):
-        select_backend("flash", torch.device("cpu"))
-
-
-def test_check_backend():
-    check_backend("torch", 16, torch.float32)
-    check_backend("flash", 256, torch.bfloat16)
+        select_backend("flashinfer", cpu, 16, fp32)
+    with pytest.raises(ValueError, match="CUDA"):
+        select_backend("flash", cpu, 256, bf16)
     with pytest.raises(ValueError, match="256"):
-        check_backend("flash", 16, torch.bfloat16)
-    with pytest.raises(ValueError, match="float16 or bfloat16"):
-        check_backend("flash", 256, torch.float32)
-    with pytest.raises(ValueError):
-        check_backend("nope", 16, torch.float32)
+        select_backend("flash", cuda, 16, bf16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        select_backend("flash", cuda, 256, fp32)
+    assert select_backend("flash", cuda, 256, bf16) == "flash"
+    # "auto" takes flash only where it fits, so LLM(model) never fails for a default block_size
+    monkeypatch.setattr(attention, "flash_attn_importable", lambda: True)
+    assert select_backend("auto", cuda, 256, bf16) == "flash"
+    assert select_backend("auto", cuda, 16, bf16) == "torch"
+    assert select_backend("auto", cuda, 256, fp32) == "torch"
 
 
 def test_unsupported_options_raise():

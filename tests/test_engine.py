@@ -135,6 +135,7 @@ def test_bad_prompt_is_rejected_and_the_engine_keeps_serving(tiny_models, bad_pr
     (dict(top_p=None), "top_p"),
     (dict(seed=1.5), "seed"),
     (dict(stop_token_ids=[2, "x"]), "stop_token_ids"),
+    (dict(stop_token_ids=5), "stop_token_ids"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -182,3 +183,30 @@ def test_flash_backend_agrees_with_transformers_in_bfloat16(tiny_models):
     assert [o[0] for o in ours] == [t[0] for t in theirs]
     agree = sum(a == b for o, t in zip(ours, theirs) for a, b in zip(o, t))
     assert agree >= 0.8 * sum(len(t) for t in theirs)
+
+
+def test_generate_takes_a_single_prompt_and_needs_an_idle_engine(tiny_models):
+    path = tiny_models["gqa"]
+    llm = LLM(path, block_size=4)
+    [only] = llm.generate(PROMPTS[1], greedy(MAX_TOKENS[1]), use_tqdm=False)
+    assert only.token_ids == reference(path)[1]
+    llm.engine.add_request(PROMPTS[0], greedy(3))
+    with pytest.raises(ValueError, match="idle engine"):
+        llm.generate([PROMPTS[1]], use_tqdm=False)
+
+
+def test_automatic_request_ids_skip_ids_the_caller_chose(tiny_models):
+    engine = LLM(tiny_models["gqa"], block_size=4).engine
+    engine.add_request(PROMPTS[1], greedy(2), request_id="0")
+    assert engine.add_request(PROMPTS[1], greedy(2)) == "1"
+
+
+def test_eos_from_generation_config_stops_a_request(tiny_models, tmp_path):
+    import shutil
+    path = shutil.copytree(tiny_models["gqa"], tmp_path / "model")
+    expected = reference(tiny_models["gqa"])[2]  # 7 tokens, EOS never reached
+    # Llama 3 Instruct lists its end-of-turn id only in generation_config.json
+    (path / "generation_config.json").write_text(f'{{"eos_token_id": [2, {expected[3]}]}}')
+    [out] = LLM(str(path), block_size=4).generate([PROMPTS[2]], greedy(MAX_TOKENS[2]), use_tqdm=False)
+    first = expected.index(expected[3])
+    assert (out.token_ids, out.finish_reason) == (expected[:first + 1], "stop")
