@@ -22,7 +22,7 @@ PROMPTS = [  # (prompt, sampling): greedy, or top-p with a seed so every run pri
     (OPENING + ", must be in want of a wife.", GREEDY),
     ("Mr. Darcy looked at her, and", SamplingParams(temperature=0.7, top_p=0.9, seed=2, max_tokens=40)),
     ("The weather was fine, and the whole party set off for", GREEDY),
-    ("\"I cannot think what you mean,\" said Emma.", SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=64)),
+    ("\"I cannot think what you mean,\" said Emma.", SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=64)),
     ("Hello, my name is", GREEDY),
 ]
 LATE_PROMPT, LATE_STEP = (OPENING + " is", SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=40)), 3

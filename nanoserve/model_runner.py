@@ -53,7 +53,7 @@ class ModelRunner:
         logits = self.model(batch, self.kv_cache)  # [S, vocab]: only the rows that sample
         if not seqs:
             return []
-        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        return sample(logits, [s.params for s in seqs], [s.num_tokens - s.num_prompt_tokens for s in seqs])
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -46,20 +46,22 @@ def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """logits [S, vocab] float32, one row per request that samples now -> S token ids."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]) -> list[int]:
+    """logits [S, vocab] float32, one row per request that samples now -> S token ids.
+    `num_generated[row]` is how many tokens that request has sampled before this one."""
     greedy = logits.argmax(dim=-1)
     if all(p.temperature == 0 for p in params):
         return greedy.tolist()
     temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
     probs = apply_top_k_top_p(torch.softmax(logits / temperature[:, None], dim=-1), params)
-    # Gumbel-style draw: argmax(probs / Exp(1) noise) is a sample from probs. Seeded rows take
-    # their noise from their own generator; the rest share the global one.
+    # Gumbel-style draw: argmax(probs / Exp(1) noise) is a sample from probs. A seeded request's
+    # noise for its n-th token comes from a generator seeded by (seed, n) alone, so its tokens are
+    # the same in any batch, and after a preemption; the others share the global generator.
     noise = torch.empty_like(probs).exponential_()
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            noise[row] = torch.empty(probs.shape[1]).exponential_(generator=gen)  # a CPU generator, any device
+    for row, (p, n) in enumerate(zip(params, num_generated)):
+        if p.seed is not None:
+            generator = torch.Generator().manual_seed(hash((p.seed, n)) % 2**63)  # on the CPU, any device
+            noise[row] = torch.empty(probs.shape[1]).exponential_(generator=generator)
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = torch.tensor([p.temperature == 0 for p in params], device=logits.device)
     return torch.where(is_greedy, greedy, sampled).tolist()

@@ -10,8 +10,6 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 from nanoserve.sampler import SamplingParams
 
 
@@ -37,7 +35,6 @@ class Sequence:
         self.block_hashes: list[int] = []                # hash chain of the full blocks, in order
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None            # "stop" | "length" | "abort"
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

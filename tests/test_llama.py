@@ -164,7 +164,7 @@ def test_bfloat16_load(tmp_path: Path) -> None:
     save_llama(tmp_path)
     model = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    assert model.model.rotary.cos_cache.dtype == torch.float32  # RoPE angles stay float32
+    assert model.model.rotary.inv_freq.dtype == torch.float32  # RoPE angles stay float32
 
 
 # ---------------------------------------------------------------------------------------------

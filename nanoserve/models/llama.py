@@ -71,23 +71,21 @@ def scale_llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for every position up to max_position_embeddings, computed once, indexed per token."""
+    """cos/sin of each token's rotation angles, from its position, every step: N x D/2 products,
+    cheaper than a table for all max_position_embeddings positions (131k for Llama 3.1)."""
 
     def __init__(self, config: PretrainedConfig, head_dim: int):
         super().__init__()
-        inv_freq = compute_inv_freq(config, head_dim)  # [D/2]
-        # The cache is built on CPU explicitly (the model is built on the meta device, see
-        # load_model) and stays float32: angles at large positions need the precision.
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(positions, inv_freq)  # [max_pos, D/2]
-        # HF's "rotate_half" layout: dim j pairs with dim j + D/2, so both halves share a frequency.
-        freqs = torch.cat((freqs, freqs), dim=-1)  # [max_pos, D]
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        # Built on CPU explicitly (the model is built on the meta device, see load_model) and kept
+        # float32: angles at large positions need the precision.
+        self.register_buffer("inv_freq", compute_inv_freq(config, head_dim), persistent=False)  # [D/2]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # [N, D] each; cast like HF does, so q * cos runs in the model's dtype
-        return self.cos_cache[positions].to(dtype), self.sin_cache[positions].to(dtype)
+        freqs = positions[:, None].float() * self.inv_freq  # [N, D/2]
+        # HF's "rotate_half" layout: dim j pairs with dim j + D/2, so both halves share a frequency.
+        freqs = torch.cat((freqs, freqs), dim=-1)  # [N, D]
+        # cast like HF does, so q * cos runs in the model's dtype
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
