@@ -169,6 +169,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
     if k is not None:  # append the new tokens at positions cache_seqlens[b], cache_seqlens[b] + 1, ...
         pos = cache_seqlens[:, None].long() + torch.arange(k.shape[1], device=q.device)  # [B, seqlen_new]
         slots = block_table.gather(1, pos // block_size).long() * block_size + pos % block_size
+        # [B * seqlen_new, Hkv, D] rows into [B * seqlen_new] slots
         store_kvcache(k.flatten(0, 1), v.flatten(0, 1), k_cache, v_cache, slots.flatten())
         cache_seqlens = cache_seqlens + k.shape[1]
     # Each group of requests is padded to its longest context. Two groups, the shorter and the

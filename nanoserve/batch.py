@@ -64,6 +64,7 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, device: 
     block_tables = np.zeros((len(scheduled), max(len(seq.block_table) for seq, _ in scheduled)), np.int32)
     for r, (seq, _) in enumerate(scheduled):
         block_tables[r, :len(seq.block_table)] = seq.block_table  # the rest stays 0, the null block
+    # [N]: token t's block is entry positions[t] // block_size of its request's block table
     slot_mapping = block_tables[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
     logits_indices = query_start_loc[1:][np.array(samples, dtype=bool)] - 1
 
