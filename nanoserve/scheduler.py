@@ -57,12 +57,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # Out of blocks: preempt the newest running request until seq fits, or seq was the newest.
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
                 self.preempt(self.running[-1])
                 preempted = True
                 if seq.status is SequenceStatus.WAITING:  # seq itself was the newest
                     break
-            else:
+            else:  # (the loop ended without break) seq's blocks are allocated: schedule it
                 scheduled.append((seq, num_new))
                 budget -= num_new
                 i += 1
