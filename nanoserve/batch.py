@@ -42,6 +42,11 @@ class Batch:
         return self.max_query_len == 1
 
 
+def samples_now(seq: Sequence, num_new: int) -> bool:
+    """A request samples a token in the step that runs its last token (not a mid-prompt chunk)."""
+    return seq.num_computed_tokens + num_new == seq.num_tokens
+
+
 def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, device: torch.device) -> Batch:
     """Flatten the scheduled requests' current tokens into one Batch. A pure function.
 
@@ -55,7 +60,7 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, device: 
         input_ids += seq.token_ids[start:start + num_new]
         query_lens.append(num_new)
         seq_lens.append(start + num_new)
-        samples.append(start + num_new == seq.num_tokens)  # its last token runs: sample from it
+        samples.append(samples_now(seq, num_new))
     query_lens_np, seq_lens_np = np.array(query_lens), np.array(seq_lens)
     query_start_loc = np.concatenate([[0], np.cumsum(query_lens_np)])
     # Token t belongs to request req[t]; its position counts on from that request's computed tokens.

@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from nanoserve.batch import Batch, build_batch
+from nanoserve.batch import Batch, build_batch, samples_now
 from nanoserve.config import Config
 from nanoserve.model_runner import ModelRunner
 from nanoserve.models.llama import read_config
@@ -153,7 +153,7 @@ class LLMEngine:
             return StepResult(None, [], [], [])
         decode_ids = [seq.request_id for seq, n in scheduled if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens]
         batch = build_batch(scheduled, self.config.block_size, self.device)
-        sampling = [seq for seq, n in scheduled if seq.num_computed_tokens + n == seq.num_tokens]
+        sampling = [seq for seq, n in scheduled if samples_now(seq, n)]
         sampled = self.model_runner.run(batch, sampling)
         finished = self.scheduler.update(scheduled, sampled)
         for seq in finished:
