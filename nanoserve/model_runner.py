@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from nanoserve.batch import Batch
 from nanoserve.attention import select_backend
+from nanoserve.batch import Batch
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config
 from nanoserve.models.llama import load_model
 from nanoserve.sampler import sample
