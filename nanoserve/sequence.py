@@ -32,7 +32,7 @@ class Sequence:
         self.num_computed_tokens = 0                     # tokens whose KV is in the cache
         self.num_cached_tokens = 0                       # of those, taken from the prefix cache
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []                # hash chain of the full blocks, in order
+        self.block_hashes: list[bytes] = []              # prefix-cache keys of the full blocks, in order
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None            # "stop" | "length" | "abort"
         self.arrival_time = time.perf_counter()
