@@ -60,6 +60,11 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
 
+    def num_free_slots(self, seq: Sequence) -> int:
+        """How many more tokens seq can write without anyone freeing a block: the rest of its
+        blocks plus every free block."""
+        return (len(seq.block_table) + self.num_free_blocks) * self.block_size - seq.num_computed_tokens
+
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks that hold seq's leading full blocks, in order.
 

@@ -28,6 +28,8 @@ class Request:
     max_tokens: int
     arrival_step: int
     abort_step: int | None  # aborted at this step if still unfinished then
+    stop_token_ids: list[int]
+    ignore_eos: bool
 
 
 @dataclass
@@ -36,6 +38,7 @@ class Workload:
     num_blocks: int
     max_model_len: int
     requests: list[Request]
+    eos_token_ids: set[int]
 
 
 def token_lists(max_size: int) -> st.SearchStrategy[list[int]]:
@@ -60,8 +63,11 @@ def workloads(draw: st.DrawFn) -> Workload:
         prompt = (draw(st.sampled_from(prefixes)) + draw(token_lists(max_model_len // 2)))[:max_model_len] or [0]
         requests.append(Request(prompt, max_tokens=draw(st.integers(1, max_model_len)),
                                 arrival_step=draw(st.integers(0, 10)),
-                                abort_step=draw(st.none() | st.none() | st.integers(0, 40))))
-    return Workload(config, num_blocks, max_model_len, requests)
+                                abort_step=draw(st.none() | st.none() | st.integers(0, 40)),
+                                stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=1)),
+                                ignore_eos=draw(st.booleans())))
+    eos_token_ids = draw(st.sets(st.integers(0, VOCAB - 1), max_size=1))
+    return Workload(config, num_blocks, max_model_len, requests, eos_token_ids)
 
 
 def kv_of(token_ids: list[int]) -> list[int]:
@@ -97,27 +103,33 @@ def run_fake_model(scheduled: list[ScheduledSeq], kv_cache: dict[int, int], bloc
     return sampled
 
 
-def expected_output(w: Workload, r: Request) -> list[int]:
-    """What the request generates alone: max_tokens, or fewer when max_model_len is reached."""
+def expected_output(w: Workload, r: Request) -> tuple[str, list[int]]:
+    """What the request generates alone, and why it stops: "stop" after a stop token or (unless
+    ignore_eos) an EOS token, else "length" after max_tokens or when max_model_len is reached."""
     tokens = list(r.prompt)
+    stops = set(r.stop_token_ids) | (set() if r.ignore_eos else w.eos_token_ids)
     for _ in range(min(r.max_tokens, max(1, w.max_model_len - len(r.prompt)))):
         tokens.append(next_token(kv_of(tokens)))
-    return tokens[len(r.prompt):]
+        if tokens[-1] in stops:
+            return "stop", tokens[len(r.prompt):]
+    return "length", tokens[len(r.prompt):]
 
 
 # Chunked prefill stops request 0 mid-block; request 1, with the same prompt, is admitted next step
 # while request 0 is still filling that block: it must not be shared (nor cached) yet.
 MID_BLOCK_PREFIX_HIT = Workload(
     Config(model="unused", block_size=4, num_kvcache_blocks=9, max_num_batched_tokens=6, max_num_seqs=2),
-    num_blocks=9, max_model_len=16, requests=[Request([1, 2, 3, 0, 1, 2, 3, 0, 1, 2], 2, 0, None)] * 2)
+    num_blocks=9, max_model_len=16, requests=[Request([1, 2, 3, 0, 1, 2, 3, 0, 1, 2], 2, 0, None, [], False)] * 2,
+    eos_token_ids=set())
 
 
 @settings(max_examples=200, deadline=None, database=None)
 @given(workloads())
 @example(MID_BLOCK_PREFIX_HIT)
 def test_random_workloads_keep_every_invariant(w: Workload):
-    sched = Scheduler(w.config, w.num_blocks, w.max_model_len, eos_token_ids=set())
-    seqs = [Sequence(str(i), None, r.prompt, SamplingParams(temperature=0, max_tokens=r.max_tokens))
+    sched = Scheduler(w.config, w.num_blocks, w.max_model_len, eos_token_ids=w.eos_token_ids)
+    seqs = [Sequence(str(i), None, r.prompt, SamplingParams(temperature=0, max_tokens=r.max_tokens,
+                                                            stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos))
             for i, r in enumerate(w.requests)]
     kv_cache: dict[int, int] = {}
     last_arrival = max(r.arrival_step for r in w.requests)
@@ -144,12 +156,12 @@ def test_random_workloads_keep_every_invariant(w: Workload):
     assert sched.block_manager.num_free_blocks == w.num_blocks - 1
     for seq, r in zip(seqs, w.requests):
         assert seq.status is SequenceStatus.FINISHED and not seq.block_table
-        assert seq.num_cached_tokens <= seq.num_prompt_tokens
+        assert (seq.num_cached_tokens or 0) <= seq.num_prompt_tokens
         if seq.finish_reason == "abort":
             assert r.abort_step is not None
-            assert seq.output_token_ids == expected_output(w, r)[:len(seq.output_token_ids)]
+            assert seq.output_token_ids == expected_output(w, r)[1][:len(seq.output_token_ids)]
         else:
-            assert (seq.finish_reason, seq.output_token_ids) == ("length", expected_output(w, r))
+            assert (seq.finish_reason, seq.output_token_ids) == expected_output(w, r)
     if w.config.scheduling == "static":
         assert sched.num_preemptions == 0  # static batching reserves every request's KV up front
 

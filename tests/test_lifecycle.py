@@ -75,13 +75,17 @@ def test_abort_in_any_state_frees_blocks_at_once(tiny_models, state):
     }[state], state)
     bm = engine.scheduler.block_manager
     own_blocks = [b for b in seq.block_table if bm.blocks[b].ref_cnt == 1]
+    # A prefilling or decoding victim holds blocks of its own; a waiting or preempted one none.
+    assert bool(own_blocks) == (state in ("prefilling", "decoding")), (state, seq.block_table)
     num_free = bm.num_free_blocks
     output = engine.abort_request(victim_id)
     assert output.finish_reason == "abort" and output.token_ids == reference(path)[victim][:len(output.token_ids)]
     assert bm.num_free_blocks == num_free + len(own_blocks) and all(b in bm.free_queue for b in own_blocks)
     assert seq.status is SequenceStatus.FINISHED and victim_id not in engine.requests
+    assert seq not in engine.scheduler.waiting and seq not in engine.scheduler.running
     engine.assert_invariants()
-    assert run_to_completion(engine) == {other_id: reference(path)[other]}
+    # The abort is reported once more, by the next step, so a loop over step() sees every request end.
+    assert run_to_completion(engine) == {other_id: reference(path)[other], victim_id: output.token_ids}
     assert bm.num_free_blocks == engine.model_runner.num_blocks - 1
 
 
