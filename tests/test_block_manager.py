@@ -4,7 +4,7 @@ from nanoserve.block_manager import BlockManager
 from nanoserve.sampler import SamplingParams
 from nanoserve.sequence import Sequence
 
-WALKTHROUGH_PROMPTS = [[1, 2, 3, 4, 5], [1, 6, 5, 7, 8, 9, 10], [1, 12, 13]]
+WALKTHROUGH_PROMPTS = [[1, 2, 3, 4, 5], [1, 6, 5, 7, 8, 9, 10], [1, 12, 13]]  # docs/walkthrough.md
 
 
 def make_seq(tokens: list[int], request_id: str = "r") -> Sequence:

@@ -1,5 +1,6 @@
-"""Every notebook in notebooks/ runs top to bottom on a fresh kernel: their asserts (the walkthrough's
-numbers, outputs equal with and without prefix caching or preemption, ...) are tests too."""
+"""Every notebook in notebooks/ runs top to bottom on a fresh kernel: their asserts (the numbers of
+the walkthrough, docs/walkthrough.md; outputs equal with and without prefix caching or preemption,
+...) are tests too."""
 import os
 import sys
 from pathlib import Path

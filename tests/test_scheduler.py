@@ -8,7 +8,7 @@ from nanoserve.sampler import SamplingParams
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus
 
-WALKTHROUGH_PROMPTS = [[1, 2, 3, 4, 5], [1, 6, 5, 7, 8, 9, 10], [1, 12, 13]]
+WALKTHROUGH_PROMPTS = [[1, 2, 3, 4, 5], [1, 6, 5, 7, 8, 9, 10], [1, 12, 13]]  # docs/walkthrough.md
 NEXT_TOKEN = 99  # the fake sampler always answers this
 
 
