@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from nanoserve.batch import Batch, build_batch, samples_now
@@ -70,12 +70,14 @@ class LLMEngine:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(config.device)
         hf_config = read_config(config.model)
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
         if self.max_model_len > hf_config.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={hf_config.max_position_embeddings}")
+        if config.block_size > self.max_model_len:  # most of every block would never be used
+            raise ValueError(f"block_size={config.block_size} is larger than max_model_len={self.max_model_len}")
         self.model_runner = ModelRunner(config, self.device, self.max_model_len)
         self.vocab_size = self.model_runner.model.vocab_size
         num_blocks = self.model_runner.num_blocks
@@ -250,6 +252,23 @@ def as_prompt_list(prompts: object) -> list[str] | list[list[int]]:
         raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
                          f"got {type(prompts).__name__}")
     return list(prompts)
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """Config's device -> torch.device. None picks CUDA where there is one, else the CPU; "mps"
+    (Apple GPUs) runs the torch attention backend. A device this machine lacks is a ValueError."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device {name!r} is not a device name such as 'cpu', 'cuda', 'cuda:1' or 'mps'") from None
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not available.get(device.type, False):
+        raise ValueError(f"device {name!r} is not available on this machine (supported: cpu, cuda, mps)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def read_eos_token_ids(path: str, hf_config: PretrainedConfig) -> set[int]:
