@@ -3,9 +3,13 @@
 All rows are sampled together: greedy rows by argmax, the others by temperature, top-k and
 top-p, then one draw per row. A request with a `seed` draws its noise from its own generator,
 so its tokens do not depend on which other requests share the batch.
+Every SamplingParams that can be made can be sampled with: a bad value is refused when the
+params are made, never in the middle of a step where it would stall the whole batch.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -19,31 +23,48 @@ class SamplingParams:
     top_p: float = 1.0             # 1.0: off
     max_tokens: int = 16
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: tuple[int, ...] | None = None   # a list is accepted and stored as a tuple
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not is_number(self.temperature) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int >= -1 (0 and -1 mean off), got {self.top_k!r}")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        if self.stop_token_ids is not None and not (isinstance(self.stop_token_ids, (list, tuple))
-                                                     and all(is_int(t) for t in self.stop_token_ids)):
-            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        t, p, k, m, stop, seed = (self.temperature, self.top_p, self.top_k, self.max_tokens,
+                                  self.stop_token_ids, self.seed)
+        require(is_finite_real(t) and t >= 0, "temperature", t, "a finite number >= 0")
+        require(is_finite_real(p) and 0 < p <= 1, "top_p", p, "a number in (0, 1]")
+        require(is_int(k) and k >= -1, "top_k", k, "an int >= -1 (0 and -1 mean off)")
+        require(is_int(m) and m >= 1, "max_tokens", m, "an int >= 1")
+        require(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "a bool")
+        require(stop is None or isinstance(stop, (list, tuple)) and all(is_int(s) and s >= 0 for s in stop),
+                "stop_token_ids", stop, "None or a list of ints >= 0")
+        require(seed is None or is_int(seed), "seed", seed, "an int or None")
+        # Store plain Python values (a numpy scalar becomes a float or an int) and a tuple, so the
+        # params hash like any frozen dataclass; frozen, so through object.__setattr__.
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "top_k", int(k))
+        object.__setattr__(self, "max_tokens", int(m))
+        object.__setattr__(self, "stop_token_ids", None if stop is None else tuple(int(s) for s in stop))
+        object.__setattr__(self, "seed", None if seed is None else int(seed))
+
+
+def require(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
 
 
 def is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """Any integer type (numpy's too), but not bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def is_finite_real(value: object) -> bool:
+    """Any real number type (numpy's float32 too), but not bool, nan, inf or an int beyond float."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]) -> list[int]:
