@@ -19,7 +19,7 @@ import torch
 class SamplingParams:
     """How one request is sampled and when it stops (the names and defaults follow vLLM)."""
     temperature: float = 1.0       # 0 means greedy
-    top_k: int = 0                 # 0 or -1: off
+    top_k: int = 0                 # 0 or -1: off; more than the vocabulary: off too
     top_p: float = 1.0             # 1.0: off
     max_tokens: int = 16
     ignore_eos: bool = False
@@ -90,7 +90,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
 
 def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Zero the probabilities outside each row's top-k and top-p set; probs [S, vocab]."""
-    top_k = [p.top_k if p.top_k > 0 else probs.shape[1] for p in params]
+    # A top_k beyond the vocabulary keeps everything (and would not fit a torch int64).
+    top_k = [min(p.top_k, probs.shape[1]) if p.top_k > 0 else probs.shape[1] for p in params]
     top_p = [p.top_p for p in params]
     if max(top_k) == probs.shape[1] and min(top_k) == probs.shape[1] and min(top_p) == 1.0:
         return probs

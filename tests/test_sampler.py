@@ -61,3 +61,16 @@ def test_params_hash_and_compare_like_a_frozen_dataclass():
     # Catches: stop_token_ids kept as a list, so hash() of a frozen SamplingParams raises.
     assert hash(SamplingParams(stop_token_ids=[2])) == hash(SamplingParams(stop_token_ids=(2,)))
     assert SamplingParams(stop_token_ids=[2]) == SamplingParams(stop_token_ids=(2,))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(top_k=2**63), dict(temperature=2**63), dict(temperature=1e300), dict(temperature=1e-38),
+    dict(temperature=5e-324), dict(top_p=5e-324), dict(seed=-2**200), dict(seed=2**200),
+])
+def test_every_accepted_value_can_be_sampled_with(kwargs):
+    # Catches: values that pass the checks but overflow every step (top_k=2**63: "Overflow when
+    # unpacking long long"), stalling every request in the batch.
+    logits = torch.randn(4, 50)
+    params = SamplingParams(**kwargs)
+    for batch in ([params] * 4, [params, SamplingParams(), SamplingParams(temperature=0), SamplingParams(seed=3)]):
+        assert all(0 <= t < 50 for t in draw(logits, batch))
