@@ -14,13 +14,17 @@ from dataclasses import dataclass
 
 import torch
 
+# Temperatures below this are greedy, as in vLLM: dividing logits by them overflows float32
+# (1e-38 turns every row into inf/nan, and a nan row's argmax is token 0).
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled and when it stops (the names and defaults follow vLLM)."""
-    temperature: float = 1.0       # 0 means greedy
+    temperature: float = 1.0       # 0, or anything below MIN_TEMPERATURE, means greedy
     top_k: int = 0                 # 0 or -1: off; more than the vocabulary: off too
-    top_p: float = 1.0             # 1.0: off
+    top_p: float = 1.0             # 1.0: off; the most likely token is always kept
     max_tokens: int = 16
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] | None = None   # a list is accepted and stored as a tuple
@@ -70,22 +74,24 @@ def is_finite_real(value: object) -> bool:
 def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]) -> list[int]:
     """logits [S, vocab] float32, one row per request that samples now -> S token ids.
     `num_generated[row]` is how many tokens that request has sampled before this one."""
-    greedy = logits.argmax(dim=-1)
-    if all(p.temperature == 0 for p in params):
+    greedy = logits.argmax(dim=-1)                                              # [S]
+    is_greedy = [p.temperature < MIN_TEMPERATURE for p in params]
+    if all(is_greedy):
         return greedy.tolist()
-    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+    # Greedy rows divide by 1: their draw is thrown away below, but must not overflow meanwhile.
+    temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, is_greedy)],
+                               device=logits.device)                           # [S]
     probs = apply_top_k_top_p(torch.softmax(logits / temperature[:, None], dim=-1), params)
     # Gumbel-style draw: argmax(probs / Exp(1) noise) is a sample from probs. A seeded request's
     # noise for its n-th token comes from a generator seeded by (seed, n) alone, so its tokens are
     # the same in any batch, and after a preemption; the others share the global generator.
-    noise = torch.empty_like(probs).exponential_()
+    noise = torch.empty_like(probs).exponential_()                              # [S, vocab]
     for row, (p, n) in enumerate(zip(params, num_generated)):
         if p.seed is not None:
             generator = torch.Generator().manual_seed(hash((p.seed, n)) % 2**63)  # on the CPU, any device
             noise[row] = torch.empty(probs.shape[1]).exponential_(generator=generator)
-    sampled = (probs / noise).argmax(dim=-1)
-    is_greedy = torch.tensor([p.temperature == 0 for p in params], device=logits.device)
-    return torch.where(is_greedy, greedy, sampled).tolist()
+    sampled = (probs / noise).argmax(dim=-1)                                    # [S]
+    return torch.where(torch.tensor(is_greedy, device=logits.device), greedy, sampled).tolist()
 
 
 def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -99,9 +105,10 @@ def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torc
     rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
     k = torch.tensor(top_k, device=probs.device)[:, None]
     p = torch.tensor(top_p, device=probs.device)[:, None]
-    # Keep a token if it is among the top k and the mass before it is still below top_p,
-    # so the most likely token is always kept.
+    # Keep a token if it is among the top k and the mass before it is still below top_p. The most
+    # likely token is kept by name: a tiny top_p (5e-324) is 0 in float32, and "mass before < 0"
+    # would keep nothing, leaving an all-zero row whose argmax is token 0.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep = (rank < k) & (mass_before < p)
+    keep = (rank < k) & ((mass_before < p) | (rank == 0))
     sorted_probs = sorted_probs * keep
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve.sampler import SamplingParams, sample
+from nanoserve.sampler import MIN_TEMPERATURE, SamplingParams, apply_top_k_top_p, sample
 
 
 @pytest.fixture(autouse=True)
@@ -74,3 +74,63 @@ def test_every_accepted_value_can_be_sampled_with(kwargs):
     params = SamplingParams(**kwargs)
     for batch in ([params] * 4, [params, SamplingParams(), SamplingParams(temperature=0), SamplingParams(seed=3)]):
         assert all(0 <= t < 50 for t in draw(logits, batch))
+
+
+# --- top-k and top-p: exactly which tokens can be drawn ---------------------------------------------
+
+PROBS = [0.125, 0.5, 0.03125, 0.25, 0.0625, 0.03125]  # by mass: ids 1, 3, 0, 4, then 2 and 5
+ALL = set(range(len(PROBS)))
+# (top_k, top_p, the ids that may be drawn). The mass before ids 1, 3, 0, 4 is 0, 0.5, 0.75, 0.875.
+KEPT = [
+    (0, 1.0, ALL), (-1, 1.0, ALL), (6, 1.0, ALL), (100, 1.0, ALL), (2**63, 1.0, ALL),
+    (1, 1.0, {1}), (2, 1.0, {1, 3}), (4, 1.0, {0, 1, 3, 4}),
+    (0, 5e-324, {1}), (0, 0.3, {1}), (0, 0.6, {1, 3}), (0, 0.8, {0, 1, 3}), (0, 0.9, {0, 1, 3, 4}),
+    (2, 0.9, {1, 3}), (4, 0.6, {1, 3}), (1, 0.9, {1}), (3, 0.95, {0, 1, 3}),
+]
+# On the boundary, exact in binary: a token is kept only while the mass before it is < top_p.
+BOUNDARY = [(0, 0.5, {1}), (0, 0.75, {1, 3}), (0, 0.875, {0, 1, 3}), (0, 0.5000001, {1, 3})]
+
+
+@pytest.mark.parametrize("top_k, top_p, kept", KEPT + BOUNDARY)
+def test_apply_top_k_top_p_keeps_exactly_the_set(top_k, top_p, kept):
+    # Catches: sorting ascending (keeps the least likely), top_p never applied, <= instead of <,
+    # a tiny top_p keeping nothing (then every draw is token 0), top_k beyond the vocabulary overflowing.
+    probs = torch.tensor([PROBS])
+    out = apply_top_k_top_p(probs, [SamplingParams(top_k=top_k, top_p=top_p)])[0]
+    assert set(out.nonzero().flatten().tolist()) == kept
+    assert torch.equal(out[sorted(kept)], probs[0, sorted(kept)])  # the kept ones untouched
+
+
+def test_apply_top_k_top_p_uses_each_rows_own_values():
+    # Catches: one row's top_k or top_p applied to the whole batch (min/max instead of per row).
+    probs = torch.tensor([PROBS] * len(KEPT))
+    out = apply_top_k_top_p(probs, [SamplingParams(top_k=k, top_p=p) for k, p, _ in KEPT])
+    assert [set(row.nonzero().flatten().tolist()) for row in out] == [kept for _, _, kept in KEPT]
+
+
+def test_sampled_tokens_never_leave_the_kept_set():
+    # Catches the same bugs through sample(): 2000 draws per case, all in one batch, hit exactly the
+    # kept set (the least likely kept token has p >= 0.03, so it shows up in 2000 draws).
+    rows = 2000
+    logits = torch.tensor(PROBS).log().repeat(rows * len(KEPT), 1)             # [rows * cases, 6]
+    params = [SamplingParams(top_k=k, top_p=p) for k, p, _ in KEPT for _ in range(rows)]
+    tokens = torch.tensor(draw(logits, params)).view(len(KEPT), rows)
+    assert [set(case.tolist()) for case in tokens] == [kept for _, _, kept in KEPT]
+
+
+# --- greedy rows --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [0, 0.0, 1e-38, 5e-324, MIN_TEMPERATURE / 2])
+def test_greedy_rows_give_the_argmax_even_beside_sampled_rows(temperature):
+    # Catches: greedy rows sampled when the batch also has sampled rows, and a tiny temperature
+    # overflowing float32 into a nan row whose "sample" is token 0.
+    rows, vocab = 100, 1000
+    logits = torch.randn(rows, vocab)
+    logits[:, 0] = -10  # token 0 is never the argmax, so an overflowed row cannot pass by luck
+    params = [SamplingParams(temperature=temperature) if i % 2 == 0 else SamplingParams(seed=i if i % 4 else None)
+              for i in range(rows)]
+    tokens = draw(logits, params)
+    argmax = logits.argmax(dim=-1).tolist()
+    assert tokens[0::2] == argmax[0::2]
+    assert tokens[1::2] != argmax[1::2]  # the sampled rows really are sampled
+    assert draw(logits[0::2], params[0::2]) == argmax[0::2]  # and an all-greedy batch
