@@ -8,6 +8,7 @@ params are made, never in the middle of a step where it would stall the whole ba
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] | None = None   # a list is accepted and stored as a tuple
-    seed: int | None = None
+    seed: int | None = None        # any int
 
     def __post_init__(self) -> None:
         t, p, k, m, stop, seed = (self.temperature, self.top_p, self.top_k, self.max_tokens,
@@ -88,10 +89,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
     noise = torch.empty_like(probs).exponential_()                              # [S, vocab]
     for row, (p, n) in enumerate(zip(params, num_generated)):
         if p.seed is not None:
-            generator = torch.Generator().manual_seed(hash((p.seed, n)) % 2**63)  # on the CPU, any device
+            generator = torch.Generator().manual_seed(noise_seed(p.seed, n))  # on the CPU, any device
             noise[row] = torch.empty(probs.shape[1]).exponential_(generator=generator)
     sampled = (probs / noise).argmax(dim=-1)                                    # [S]
     return torch.where(torch.tensor(is_greedy, device=logits.device), greedy, sampled).tolist()
+
+
+def noise_seed(seed: int, n: int) -> int:
+    """A 64-bit generator seed for a request's n-th token. A cryptographic hash, not Python's hash():
+    that one maps -1 and -2 (and ints 2**61 - 1 apart) to the same value, so two seeds would sample
+    alike. sha256 is the same in every process and platform and takes ints of any size."""
+    return int.from_bytes(hashlib.sha256(f"{seed},{n}".encode()).digest()[:8], "little")
 
 
 def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

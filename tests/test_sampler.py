@@ -1,6 +1,9 @@
 """The sampler on its own, no model: SamplingParams checks, the exact kept sets of top-k and top-p,
 the sampled distribution, greedy rows in a mixed batch, and seeded draws. Each test names the bug it
 catches. Randomness is fixed (torch.manual_seed), and every bound is loose, so nothing can flake."""
+import os
+import subprocess
+import sys
 from fractions import Fraction
 
 import numpy as np
@@ -134,3 +137,46 @@ def test_greedy_rows_give_the_argmax_even_beside_sampled_rows(temperature):
     assert tokens[0::2] == argmax[0::2]
     assert tokens[1::2] != argmax[1::2]  # the sampled rows really are sampled
     assert draw(logits[0::2], params[0::2]) == argmax[0::2]  # and an all-greedy batch
+
+
+# --- seeded requests ----------------------------------------------------------------------------
+
+FLAT = torch.zeros(1, 1000)  # every token equally likely: a token says a lot about the noise
+
+
+def seeded_tokens(seed: int, count: int = 20) -> list[int]:
+    return [draw(FLAT, [SamplingParams(seed=seed)], [n])[0] for n in range(count)]
+
+
+def test_a_seeded_token_depends_only_on_seed_and_n():
+    # Catches: noise taken from the batch's shared generator or tied to the row, so a seeded request
+    # changes with its neighbours (and after a preemption puts it elsewhere in the batch).
+    alone = seeded_tokens(7)
+    for n in range(20):
+        params = [SamplingParams(), SamplingParams(seed=9), SamplingParams(seed=7), SamplingParams(temperature=0)]
+        in_batch = draw(FLAT.repeat(4, 1), params, [5, n, n, 0])
+        assert in_batch[2] == alone[n]
+    assert seeded_tokens(7) == alone
+
+
+def test_a_seeded_request_draws_fresh_noise_for_each_token():
+    # Catches: one noise draw reused for every token of a seeded request (on a flat distribution
+    # that repeats one token forever).
+    tokens = seeded_tokens(7, count=50)
+    assert len(set(tokens)) > 25  # 50 draws from 1000 tokens: about 49 distinct
+
+
+@pytest.mark.parametrize("seed, other", [(-1, -2), (5, 5 + 2**61 - 1), (0, 2**64), (1, -1), (2**200, -2**200)])
+def test_different_seeds_give_different_tokens(seed, other):
+    # Catches: seeding from Python's hash(), where hash(-1) == hash(-2) and ints 2**61 - 1 apart collide.
+    assert seeded_tokens(seed) != seeded_tokens(other)
+
+
+def test_seeded_tokens_are_the_same_in_another_process():
+    # Catches: seeding from something that changes between processes (hash() of a str, id(), time).
+    code = ("import torch; from nanoserve.sampler import SamplingParams, sample; "
+            "print([sample(torch.zeros(1, 1000), [SamplingParams(seed=7)], [n])[0] for n in range(20)])")
+    hash_seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(seeded_tokens(7))
