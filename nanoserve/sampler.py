@@ -39,7 +39,7 @@ class SamplingParams:
         require(is_int(k) and k >= -1, "top_k", k, "an int >= -1 (0 and -1 mean off)")
         require(is_int(m) and m >= 1, "max_tokens", m, "an int >= 1")
         require(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "a bool")
-        require(stop is None or isinstance(stop, (list, tuple)) and all(is_int(s) and s >= 0 for s in stop),
+        require(stop is None or (isinstance(stop, (list, tuple)) and all(is_int(s) and s >= 0 for s in stop)),
                 "stop_token_ids", stop, "None or a list of ints >= 0")
         require(seed is None or is_int(seed), "seed", seed, "an int or None")
         # Store plain Python values (a numpy scalar becomes a float or an int) and a tuple, so the
@@ -107,7 +107,7 @@ def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torc
     # A top_k beyond the vocabulary keeps everything (and would not fit a torch int64).
     top_k = [min(p.top_k, probs.shape[1]) if p.top_k > 0 else probs.shape[1] for p in params]
     top_p = [p.top_p for p in params]
-    if max(top_k) == probs.shape[1] and min(top_k) == probs.shape[1] and min(top_p) == 1.0:
+    if min(top_k) == probs.shape[1] and min(top_p) == 1.0:  # every row off: nothing to zero
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)       # [S, vocab]
     rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
