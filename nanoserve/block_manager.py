@@ -1,7 +1,7 @@
 """The paged KV cache's bookkeeping (PagedAttention), in plain Python: no tensors here.
 
 The KV cache is cut into `num_blocks` blocks of `block_size` slots; token t of a request lives in
-slot `block_table[t // block_size] * block_size + t % block_size` (the walkthrough's slot_mapping).
+slot `block_table[t // block_size] * block_size + t % block_size` (the walkthrough's slot_mapping, docs/walkthrough.md).
 
 Invariants:
 - Block 0 is the null block: never handed out, so 0 can pad a block table.

@@ -91,7 +91,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
         if p.seed is not None:
             generator = torch.Generator().manual_seed(noise_seed(p.seed, n))  # on the CPU, any device
             noise[row] = torch.empty(probs.shape[1]).exponential_(generator=generator)
-    sampled = (probs / noise).argmax(dim=-1)                                    # [S]
+    # A draw of exactly 0 (possible on some devices) would make 0 / 0 = nan for a zeroed token.
+    sampled = (probs / noise.clamp_(min=1e-30)).argmax(dim=-1)                  # [S]
     return torch.where(torch.tensor(is_greedy, device=logits.device), greedy, sampled).tolist()
 
 

@@ -7,11 +7,14 @@ Continuous batching works token by token, not request by request. Each step has 
    "all requests' current tokens flattened into one batch".
 2. Then waiting requests are admitted first come, first served, while budget, blocks and
    `max_num_seqs` allow. A prefix-cache hit counts as already computed.
-When blocks run out, the newest running request is preempted by recompute: its blocks are freed
-and it goes back to the front of the queue. Its tokens are kept, so nothing is lost.
+When blocks run out, a prefill chunk first shrinks to what the free blocks hold; if not even one
+token fits, the newest running request is preempted by recompute: its blocks are freed and it goes
+back to the front of the queue, ahead of requests that never ran. Its tokens are kept, so nothing
+is lost. A step that preempted admits no one.
 
-`scheduling="static"` is the baseline of the walkthrough's section 1 (static batching): a batch is admitted only when the
-previous one has completely finished, and KV space for prompt + max_tokens is reserved up front.
+`scheduling="static"` is the baseline (static batching, docs/batching.md): a batch is admitted only
+when the previous one has completely finished, and KV space for prompt + max_tokens - 1 tokens is
+reserved up front (the last sampled token's KV is never needed).
 
 Invariants (`assert_invariants` checks them): every accepted request is in exactly one of
 `waiting`, `running`, or finished; waiting requests hold no blocks; a step writes only into blocks
