@@ -170,6 +170,8 @@ def test_random_workloads_keep_every_invariant(w: Workload):
 # End to end on a tiny model: random arrival order and steps, a cache small enough to preempt.
 
 def test_random_arrivals_and_preemption_match_transformers(tiny_models):
+    """Greedy requests must equal transformers; seeded sampled requests (with stop tokens) must
+    equal the same request served alone, whatever shares their steps, preemptions included."""
     path = tiny_models["gqa"]
     rng = random.Random(5)
     prefix = [rng.randrange(3, 256) for _ in range(12)]
@@ -177,6 +179,10 @@ def test_random_arrivals_and_preemption_match_transformers(tiny_models):
                for _ in range(8)]
     max_tokens = [rng.randrange(1, 17) for _ in prompts]
     expected = hf_greedy(path, prompts, max_tokens)
+    sampled = {i: SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=i, stop_token_ids=[rng.randrange(3, 256)])
+               for i in (1, 4, 6)}
+    alone = LLM(path, block_size=4)
+    expected_sampled = {i: alone.generate([prompts[i]], p, use_tqdm=False)[0] for i, p in sampled.items()}
     num_preemptions = 0
     for block_size, num_blocks, budget in [(4, 13, 16), (2, 25, 5), (1, 49, 64), (4, 14, 7)]:
         engine = LLM(path, block_size=block_size, num_kvcache_blocks=num_blocks, max_model_len=48,
@@ -184,13 +190,17 @@ def test_random_arrivals_and_preemption_match_transformers(tiny_models):
         order = rng.sample(range(len(prompts)), len(prompts))
         arrivals = sorted(rng.randrange(12) for _ in order)
         outputs, step = {}, 0
-        while len(outputs) < len(prompts):
+        while len(outputs) < 2 * len(prompts):
             for i, arrival in zip(order, arrivals):
                 if arrival == step:
                     engine.add_request(prompts[i], SamplingParams(temperature=0, max_tokens=max_tokens[i]), str(i))
-            outputs.update((int(o.request_id), o.token_ids) for o in engine.step().outputs)
+                    engine.add_request(prompts[i], sampled.get(i, SamplingParams(temperature=0, max_tokens=max_tokens[i])), f"s{i}")
+            outputs.update((o.request_id, o) for o in engine.step().outputs)
             engine.assert_invariants()
             step += 1
-        assert [outputs[i] for i in range(len(prompts))] == expected, (block_size, num_blocks, budget)
+        assert [outputs[str(i)].token_ids for i in range(len(prompts))] == expected, (block_size, num_blocks, budget)
+        for i, want in expected_sampled.items():
+            got = outputs[f"s{i}"]
+            assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), (i, block_size)
         num_preemptions += engine.scheduler.num_preemptions
     assert num_preemptions > 0
