@@ -80,7 +80,8 @@ class Scheduler:
         while True:
             num_fitting = min(num_new, self.block_manager.num_free_slots(seq))
             if num_fitting > 0:
-                assert self.block_manager.allocate(seq, seq.num_computed_tokens + num_fitting)
+                allocated = self.block_manager.allocate(seq, seq.num_computed_tokens + num_fitting)
+                assert allocated, f"{seq}: {num_fitting} free slots but no blocks"
                 return num_fitting
             victim = self.running[-1]
             self.preempt(victim)
