@@ -74,7 +74,9 @@ print(format_step(engine.step(), 1))
 # After its prefill the first request's full blocks are registered in the block manager's
 # `cached_blocks` (hash -> block id). Each hash covers the parent's hash and the block's tokens,
 # so the fourth hash stands for all 16 system-prompt tokens, not only the four of its block. The
-# fifth block already holds question tokens; its hash is this request's alone.
+# fifth block already holds question tokens; its hash is this request's alone. Each cached block
+# also remembers its parent block: a hit is verified against its tokens and that parent, so it
+# implies the whole prefix matches even if two hashes ever collided.
 
 # %%
 seq = engine.requests[first]
@@ -83,7 +85,9 @@ for i, block_hash in enumerate(seq.block_hashes):
     tokens = tuple(seq.token_ids[4 * i:4 * i + 4])
     assert hash_block(parent, tokens) == block_hash                   # the chain, recomputed
     assert manager.cached_blocks[block_hash] == seq.block_table[i]    # and findable
-    print(f"block {seq.block_table[i]}: tokens {tokens}  hash(parent, tokens) = {block_hash:#x}")
+    block = manager.blocks[seq.block_table[i]]
+    print(f"block {block.block_id}: tokens {tokens}  parent block {block.parent}  "
+          f"sha256(parent hash, tokens) = {block_hash.hex()[:16]}...")
     parent = block_hash
 
 # %% [markdown]
