@@ -76,8 +76,10 @@ class LLMEngine:
         if self.max_model_len > hf_config.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={hf_config.max_position_embeddings}")
-        if config.block_size > self.max_model_len:  # most of every block would never be used
-            raise ValueError(f"block_size={config.block_size} is larger than max_model_len={self.max_model_len}")
+        # A block longer than the longest request wastes most of its slots; 256 (flash-attn's page) always fits.
+        if config.block_size > max(self.max_model_len, 256):
+            raise ValueError(f"block_size={config.block_size} is larger than max_model_len={self.max_model_len} "
+                             f"and than 256, flash-attn's page size")
         self.model_runner = ModelRunner(config, self.device, self.max_model_len)
         self.vocab_size = self.model_runner.model.vocab_size
         num_blocks = self.model_runner.num_blocks

@@ -275,6 +275,7 @@ def test_a_duplicate_request_id_leaves_the_first_request_alone(llm):
     (dict(gpu_memory_utilization=0), "gpu_memory_utilization"),
     (dict(max_model_len=512), "exceeds the model's max_position_embeddings=256"),
     (dict(block_size=512), "block_size=512 is larger than max_model_len=256"),
+    (dict(block_size=257, max_model_len=64), "block_size=257 is larger than max_model_len=64 and than 256"),
     (dict(device="nope"), "not a device name"),
     (dict(device=3), "device must be a str"),
     (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization"),
