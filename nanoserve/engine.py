@@ -2,8 +2,10 @@
 
 `LLMEngine.step()` is one turn of continuous batching:
     schedule -> build_batch -> model forward + sample -> update (append tokens, finish, free blocks)
-Requests can be added and aborted between any two steps. `LLM` is the offline front end:
-`generate` adds every prompt and steps until all have finished. The API mirrors vLLM's.
+Requests can be added and aborted between any two steps. Each step streams a `RequestDelta` for
+every request that sampled a token (its new text is settled: see detokenizer.py). `LLM` is the
+offline front end: `generate` adds every prompt and steps until all have finished; `chat` formats
+conversations with the tokenizer's chat template first. The API mirrors vLLM's.
 
 Not thread-safe: one thread owns an engine and makes every call on it (add_request, step,
 abort_request). Two threads in `step()` corrupt the bookkeeping, and an abort that lands inside a
@@ -23,6 +25,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from nanoserve.batch import Batch, build_batch, samples_now
 from nanoserve.config import Config
+from nanoserve.detokenizer import Detokenizer
 from nanoserve.model_runner import ModelRunner
 from nanoserve.models.llama import read_config
 from nanoserve.sampler import SamplingParams
@@ -46,12 +49,23 @@ class RequestOutput:
 
 
 @dataclass
+class RequestDelta:
+    """What one request produced in one step, for streaming. A request's deltas concatenate to its
+    RequestOutput's token_ids and text; its last delta has the finish_reason (an abort has none)."""
+    request_id: str
+    token_ids: list[int]         # the token sampled this step
+    text: str | None             # its new text; may be "" (held back), None without a tokenizer
+    finish_reason: str | None    # None until the request's last delta
+
+
+@dataclass
 class StepResult:
     batch: Batch | None                  # the flat batch the model ran (None if nothing ran)
     scheduled: list[tuple[str, int]]     # (request_id, num_tokens) in batch order
     decode_ids: list[str]                # the requests that decoded (one token past the prompt);
                                          # the others ran a prefill chunk
     outputs: list[RequestOutput]         # requests that finished in this step
+    deltas: list[RequestDelta]           # one per request that sampled a token, in batch order
 
     @property
     def num_decode_tokens(self) -> int:
@@ -113,7 +127,8 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
-        seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params)
+        detokenizer = Detokenizer(self.tokenizer, params.stop or ()) if self.tokenizer else None
+        seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, detokenizer)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -145,6 +160,8 @@ class LLMEngine:
         if seq is None:
             raise ValueError(f"no unfinished request with id {request_id!r}")
         self.scheduler.finish(seq, "abort")
+        if seq.detokenizer is not None:
+            seq.detokenizer.finish(seq.output_token_ids)
         self.aborted.append(self.make_output(seq))
         return self.aborted[-1]
 
@@ -174,19 +191,36 @@ class LLMEngine:
         if not scheduled:
             if self.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never expected
-            return StepResult(None, [], [], aborted)
+            return StepResult(None, [], [], aborted, [])
         decode_ids = [seq.request_id for seq, n in scheduled if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens]
         batch = build_batch(scheduled, self.config.block_size, self.device)
         sampling = [seq for seq, n in scheduled if samples_now(seq, n)]
         sampled = self.model_runner.run(batch, sampling)
-        finished = self.scheduler.update(scheduled, sampled)
+        self.scheduler.update(scheduled, sampled)
+        deltas = [self.make_delta(seq) for seq in sampling]  # may finish a request on a stop string
+        finished = [seq for seq in sampling if seq.is_finished]
         for seq in finished:
             del self.requests[seq.request_id]
         return StepResult(batch, [(seq.request_id, n) for seq, n in scheduled], decode_ids,
-                          aborted + [self.make_output(seq) for seq in finished])
+                          aborted + [self.make_output(seq) for seq in finished], deltas)
+
+    def make_delta(self, seq: Sequence) -> RequestDelta:
+        """Detokenize seq's new token and check its stop strings (after the scheduler's stop rules:
+        a stop string also ends a request that just reached max_tokens, as "stop")."""
+        token, detokenizer = seq.token_ids[-1], seq.detokenizer
+        if detokenizer is None:
+            return RequestDelta(seq.request_id, [token], None, seq.finish_reason)
+        if detokenizer.add(token):
+            if seq.is_finished:
+                seq.finish_reason = "stop"
+            else:
+                self.scheduler.finish(seq, "stop")  # frees its blocks like any other finish
+        if seq.is_finished:
+            detokenizer.finish(seq.output_token_ids)
+        return RequestDelta(seq.request_id, [token], detokenizer.take_delta(seq.is_finished), seq.finish_reason)
 
     def make_output(self, seq: Sequence) -> RequestOutput:
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if self.tokenizer else None
+        text = seq.detokenizer.text if seq.detokenizer else None
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
         return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens],
                              seq.output_token_ids, text, seq.finish_reason, seq.num_cached_tokens or 0,
@@ -225,6 +259,24 @@ class LLM:
                     self.engine.abort_request(request_id)
             self.engine.aborted.clear()  # these aborts are reported by raising, not by a step
             raise
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them: each is formatted
+        by the tokenizer's chat template, ending with the assistant's turn to speak, then served as by
+        `generate`. The template writes any special tokens (<s>), so encode adds none."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not tokenizer.chat_template:
+            raise ValueError(f"{self.engine.config.model} has no tokenizer with a chat_template; "
+                             "format the prompts yourself and call generate")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
+        outputs = self.generate([tokenizer.encode(p, add_special_tokens=False) for p in prompts],
+                                sampling_params, use_tqdm)
+        for output, prompt in zip(outputs, prompts):
+            output.prompt = prompt
+        return outputs
 
     def run_until_done(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         """Step until every request in `ids` has an output; they are in input order."""

@@ -30,6 +30,9 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] | None = None   # a list is accepted and stored as a tuple
     seed: int | None = None        # any int
+    # Stop strings: the text ends before the first one to appear (finish_reason "stop"); token_ids
+    # keep the tokens up to and including the one that completed it. A str or list is stored as a tuple.
+    stop: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         t, p, k, m, stop, seed = (self.temperature, self.top_p, self.top_k, self.max_tokens,
@@ -42,6 +45,9 @@ class SamplingParams:
         require(stop is None or (isinstance(stop, (list, tuple)) and all(is_int(s) and s >= 0 for s in stop)),
                 "stop_token_ids", stop, "None or a list of ints >= 0")
         require(seed is None or is_int(seed), "seed", seed, "an int or None")
+        strings = (self.stop,) if isinstance(self.stop, str) else self.stop
+        require(strings is None or (isinstance(strings, (list, tuple)) and all(isinstance(s, str) and s for s in strings)),
+                "stop", self.stop, "None, a non-empty str or a list of non-empty strs")
         # Store plain Python values (a numpy scalar becomes a float or an int) and a tuple, so the
         # params hash like any frozen dataclass; frozen, so through object.__setattr__.
         object.__setattr__(self, "temperature", float(t))
@@ -50,6 +56,7 @@ class SamplingParams:
         object.__setattr__(self, "max_tokens", int(m))
         object.__setattr__(self, "stop_token_ids", None if stop is None else tuple(int(s) for s in stop))
         object.__setattr__(self, "seed", None if seed is None else int(seed))
+        object.__setattr__(self, "stop", None if strings is None else tuple(strings))
 
 
 def require(ok: bool, name: str, value: object, rule: str) -> None:

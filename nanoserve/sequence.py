@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 
+from nanoserve.detokenizer import Detokenizer
 from nanoserve.sampler import SamplingParams
 
 
@@ -23,7 +24,7 @@ class Sequence:
     """One request. `token_ids` grows by one sampled token per decode step."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, detokenizer: Detokenizer | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
@@ -40,6 +41,7 @@ class Sequence:
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self.detokenizer = detokenizer                   # the output text; None without a tokenizer
 
     @property
     def num_tokens(self) -> int:
