@@ -28,7 +28,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from nanoserve.attention import Attention
+from nanoserve.attention import Attention, AttentionPlan, plan_for_batch
 from nanoserve.batch import Batch
 
 # Our fused parameter -> the checkpoint tensors stacked (dim 0, in this order) into it.
@@ -125,15 +125,15 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, attention_backend)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, batch: Batch, plan: AttentionPlan | None) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [N, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [N, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attn(q, k, v, k_cache, v_cache, batch)  # [N, H, D]
+        out = self.attn(q, k, v, k_cache, v_cache, batch, plan)  # [N, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))  # [N, H * D] -> [N, hidden]
 
 
@@ -158,9 +158,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, batch: Batch, plan: AttentionPlan | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -174,13 +174,18 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, head_dim, attention_backend) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, head_dim)
+        self.attention_backend = attention_backend
 
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Final hidden states `[S, hidden]` of the rows `batch.logits_indices`."""
         x = self.embed_tokens(batch.input_ids)  # [N, hidden]
         cos, sin = self.rotary(batch.positions, x.dtype)  # [N, D] each, shared by every layer
+        # The torch backend's attention plan (which requests attend together, their blocks and
+        # masks) is the same for every layer too; flash-attn needs none.
+        block_size = kv_cache.shape[3]
+        plan = plan_for_batch(batch, block_size, x.dtype) if self.attention_backend == "torch" else None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], batch)
+            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], batch, plan)
         # Only sampling rows need the final norm (and lm_head after it): all rows' k and v are
         # already in the cache, which is all later steps need from the others.
         return self.norm(x[batch.logits_indices])  # [S, hidden]
