@@ -224,11 +224,24 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_ba
         # A fused parameter stacks its checkpoint tensors on the output dim, e.g. q, k, v
         tensor = torch.cat([read_tensor(files, part) for part in checkpoint_names(name)], dim=0)
         module_name, _, leaf = name.rpartition(".")
-        weight = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+        tensor = tensor.to(device=device, dtype=dtype)
+        if name.endswith("proj.weight") or name == "lm_head.weight":
+            tensor = layout_for_matmul(tensor)
+        weight = nn.Parameter(tensor, requires_grad=False)
         setattr(model.get_submodule(module_name), leaf, weight)
     if config.tie_word_embeddings:  # tied: lm_head.weight is the embedding matrix, not a copy
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device).eval()  # moves the RoPE cache; parameters are already there
+
+
+def layout_for_matmul(weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's weight `[out, in]`, stored the way its matmul reads it fastest. On CPU in
+    float32 that is column-major: the same `[out, in]` tensor laid out as `[in, out]`, so
+    `x @ weight.T` is MKL's plain (not transposed) GEMM, measured 1.3-2x faster for the 8-64 rows of
+    a decode step and no slower for a prefill. bfloat16 (oneDNN) and CUDA gain nothing: row-major."""
+    if weight.device.type == "cpu" and weight.dtype == torch.float32:
+        return weight.t().contiguous().t()  # [out, in], strides (1, out)
+    return weight
 
 
 def read_config(path: str) -> PretrainedConfig:
