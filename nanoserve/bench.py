@@ -6,6 +6,7 @@ point: every engine runs on the same machine in the same run.
     python -m nanoserve.bench --dtype bfloat16      # every engine in bfloat16
     python -m nanoserve.bench --engines nanoserve,static --num-requests 16
     python -m nanoserve.bench --online --rates 2,4,8     # Poisson arrivals: TTFT/TPOT vs request rate
+    python -m nanoserve.bench --profile-decode 48        # where one decode step of 48 requests spends its time
 """
 from __future__ import annotations
 
@@ -310,6 +311,44 @@ def run_online(path: str, workload: list[Request], rates: list[float], seed: int
     return "\n".join(lines)
 
 
+def profile_decode(path: str, num_requests: int, vocab_size: int, config: dict) -> str:
+    """Where one decode step's time goes: `num_requests` requests past their prompts (100-200
+    tokens each). Attention (writing K/V, gathering blocks, SDPA) is timed around every Attention
+    module over 5 steps (the median step is reported); op shares come from torch.profiler on one more."""
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.attention import Attention
+    config = config | dict(num_kvcache_blocks=num_requests * 18 + 1, max_model_len=None)  # room for all
+    engine = LLM(path, enable_prefix_caching=False, **config).engine
+    rng = random.Random(0)
+    for _ in range(num_requests):
+        engine.add_request([rng.randrange(3, vocab_size) for _ in range(rng.randint(100, 200))],
+                           SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    while engine.step().num_prefill_tokens:  # until every request decodes
+        pass
+    attention: list[float] = []
+    for module in engine.model_runner.model.modules():
+        if isinstance(module, Attention):
+            module.register_forward_pre_hook(lambda *_: attention.append(-time.perf_counter()))
+            module.register_forward_hook(lambda *_: attention.append(attention.pop() + time.perf_counter()))
+    steps = []
+    for _ in range(5):
+        attention.clear()
+        start = time.perf_counter()
+        engine.step()
+        steps.append((time.perf_counter() - start, sum(attention)))
+    step, attend = sorted(steps)[2]
+    with torch.profiler.profile() as prof:
+        engine.step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    share = lambda *names: 100 * sum(e.self_cpu_time_total for e in events if e.key in names) / total  # noqa: E731
+    return ("| dtype | requests | step (ms) | attention | matmuls | SDPA | index_select (KV gather) |\n"
+            "|---|---|---|---|---|---|---|\n"
+            f"| {config['dtype']} | {num_requests} | {1000 * step:.1f} | {100 * attend / step:.0f}% | "
+            f"{share('aten::mm', 'aten::addmm'):.0f}% | {share('aten::_scaled_dot_product_flash_attention_for_cpu'):.0f}% | "
+            f"{share('aten::index_select'):.0f}% |")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Llama checkpoint folder (default: a random ~40M Llama, built once)")
@@ -327,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--online", action="store_true", help="Poisson arrivals to nanoserve continuous and static")
     p.add_argument("--rates", default="1,2,4,8", help="with --online: request rates (req/s)")
+    p.add_argument("--profile-decode", type=int, metavar="N", help="profile one decode step of N requests instead")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
     if args.threads:
@@ -341,6 +381,9 @@ def main(argv: list[str] | None = None) -> None:
                   max_model_len=max(len(r.prompt) + r.output_len for r in workload), dtype=args.dtype)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}; {len(workload)} requests, "
           f"{sum(len(r.prompt) for r in workload)} prompt + {sum(r.output_len for r in workload)} output tokens")
+    if args.profile_decode:
+        print(profile_decode(path, args.profile_decode, vocab, config))
+        return
     if args.online:
         print(run_online(path, workload, [float(r) for r in args.rates.split(",")], args.seed, config))
         return

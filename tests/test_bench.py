@@ -42,3 +42,8 @@ def test_step_limit_takes_the_larger_of_compute_and_memory():
     chunk = Step(seconds=1.0, query_lens=[3], seq_lens=[10], num_sampled=0)
     assert step_limit(chunk, shape, Machine(flops=1.0, bandwidth=1e9))[0] == 2 * 2 * (per_layer * 3 + 2 * 4 * 27)
     assert (decode.phase, chunk.phase, Step(1.0, [1, 3], [4, 9], 1).phase) == ("decode", "prefill", "mixed")
+
+
+def test_profile_decode_runs(tiny_models, capsys):
+    main(["--model", tiny_models["gqa"], "--profile-decode", "3"])
+    assert "| float32 | 3 |" in capsys.readouterr().out
