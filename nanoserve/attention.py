@@ -17,6 +17,13 @@ cache. Invariants the backends rely on:
 Two backends provide the same two entry points: "flash" (the flash-attn package, CUDA only)
 and "torch" (this module's `flash_attn_varlen_func` / `flash_attn_with_kvcache`: same
 signatures and semantics, built on `scaled_dot_product_attention`, used on CPU and in tests).
+
+The torch backend's fast path is `paged_attention`, which follows an `AttentionPlan`: what is the
+same in every layer of a step (which requests attend together, the blocks each reads, the masks),
+built once per step from host-side lengths by `plan_attention`. Decode rows are sorted by context
+length and attended in groups of ~8, each padded only to its own longest context; a prompt (chunk)
+is attended on its own. `attend_each_request` is the plain per-request formulation the tests
+hold the fast path to.
 """
 from __future__ import annotations
 
