@@ -144,8 +144,8 @@ DECODE_GROUP_ROWS = 8
 def decode_groups_count(num_rows: int) -> int:
     """How many length groups `num_rows` decode rows split into. A group is padded to its longest
     context, and its copied keys and values should still be in cache when SDPA reads them: groups of
-    about 8 rows measured fastest on a 2-core CPU in both dtypes (48 rows, contexts 16-450: 1.2x
-    faster in bfloat16 and 4x in float32 than 2 groups of 24), ~50 us of overhead per group."""
+    about 8 rows measured fastest on a 2-core x86 CPU in both dtypes (48 rows, contexts 16-450, one
+    thread: 1.2x faster in bfloat16, 4x in float32 than 2 groups of 24), ~50 us overhead per group."""
     return max(1, -(-num_rows // DECODE_GROUP_ROWS))
 
 
@@ -172,7 +172,7 @@ def plan_attention(q_lens: list[int], k_lens: list[int], block_table: Tensor, bl
     for b in (b for b, n in enumerate(q_lens) if n > 1 and k_lens[b] > 0):
         # with seqlen_q >= seqlen_k the first seqlen_q - seqlen_k queries see no key (output 0) and
         # the others form a square, where SDPA's top-left causal mask is the bottom-right one
-        start = starts[b] + max(0, q_lens[b] - k_lens[b])
+        start = starts[b] + (max(0, q_lens[b] - k_lens[b]) if causal else 0)
         square = starts[b + 1] - start == k_lens[b]
         mask = causal_mask(starts[b + 1] - start, k_lens[b], device) if causal and not square else None
         table = block_table[b:b + 1, :blocks_needed(k_lens[b], block_size)]

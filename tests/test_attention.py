@@ -168,6 +168,19 @@ def test_mixed_prefill_and_decode_match_plain_reference(dtype: torch.dtype):
             assert_close(out[cu_q[b]:cu_q[b + 1]], reference(q[cu_q[b]:cu_q[b + 1]], keys[b], values[b]))
 
 
+def test_varlen_not_causal_every_query_sees_every_key():
+    # more queries than keys: causal would leave the first queries without a key, non-causal must not
+    torch.manual_seed(9)
+    q_lens, k_lens = [5, 1, 3], [2, 4, 3]
+    q = torch.randn(sum(q_lens), H, D)
+    k, v = torch.randn(sum(k_lens), HKV, D), torch.randn(sum(k_lens), HKV, D)
+    cu_q, cu_k = cumsum0(q_lens), cumsum0(k_lens)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=False)
+    for b in range(len(q_lens)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        assert_close(out[qs], reference(q[qs], k[ks], v[ks], causal=False))
+
+
 def test_paged_attention_follows_one_plan_for_every_layer():
     # the plan holds no layer's data: two layers' caches (same blocks, other contents) under one plan
     torch.manual_seed(8)
