@@ -2,7 +2,7 @@
 
     python example.py                  # the tiny Llama that ships with nanoserve (trained on Jane Austen)
     python example.py --model PATH     # any local Llama checkpoint folder (config.json, safetensors, tokenizer)
-    python example.py --trace          # also print the first steps as the walkthrough's arrays
+    python example.py --trace          # also print the first steps as the walkthrough's arrays (docs/walkthrough.md)
 
 Seven requests start together; an eighth arrives a few steps later and joins the running batch.
 It repeats the opening of an earlier prompt, so its first KV blocks come from the prefix cache.

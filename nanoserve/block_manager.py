@@ -1,7 +1,7 @@
 """The paged KV cache's bookkeeping (PagedAttention), in plain Python: no tensors here.
 
 The KV cache is cut into `num_blocks` blocks of `block_size` slots; token t of a request lives in
-slot `block_table[t // block_size] * block_size + t % block_size` (the walkthrough's slot_mapping).
+slot `block_table[t // block_size] * block_size + t % block_size` (the walkthrough's slot_mapping, docs/walkthrough.md).
 
 Invariants:
 - Block 0 is the null block: never handed out, so 0 can pad a block table.
@@ -9,15 +9,21 @@ Invariants:
 - Free blocks are handed out first-in first-out, and a freed block keeps its KV: if it is full and
   hashed it stays findable in the prefix cache until it is handed out again (evicted). So the free
   queue is also the least-recently-used order of the cache.
-- Prefix caching: a full block is keyed by a hash chained over (parent block's hash, its tokens),
-  so one key names the whole prefix up to and including that block. A hit is verified against the
-  block's own tokens; a wrong hit would need two different prefixes whose 64-bit chained hashes
-  collide, which we accept (as vLLM does).
+- Prefix caching: a full block is keyed by a SHA-256 hash chained over (parent block's hash, its
+  tokens), so one key names the whole prefix up to and including that block. The key only finds a
+  candidate: a hit is verified exactly, against the block's own tokens and its `parent`, the cached
+  block before it, itself verified the same way. So a hit implies the whole prefix matches, even if
+  two prefixes' keys collided (a crafted prompt can never be served another request's KV).
+- A block is cached only after its parent: a request whose previous block is not the cached one
+  (the same prefix was cached by someone else first) caches none of its later blocks. So whoever
+  holds a cached block also holds its parent, a child is freed, and so evicted, before its parent,
+  and a cached block's parent is always cached.
 - Shared blocks are full, hence read-only: a request only ever writes into its own last blocks.
 `assert_invariants` and `assert_writable` check all of this (tests call them after every step).
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -29,13 +35,14 @@ class Block:
     """One block of `block_size` KV slots: who uses it (ref_cnt) and, once full, what it holds."""
     block_id: int
     ref_cnt: int = 0
-    hash: int | None = None                  # set once the block is full and its KV computed
+    hash: bytes | None = None                 # set once the block is full and its KV computed
     token_ids: tuple[int, ...] | None = None  # the tokens behind `hash`, to verify a hit
+    parent: int | None = None                 # the cached block before it (None: the first block)
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
     """The prefix-cache key of a full block: its tokens, chained to everything before them."""
-    return hash((parent_hash, token_ids))
+    return hashlib.sha256(repr((parent_hash, token_ids)).encode()).digest()
 
 
 class BlockManager:
@@ -53,6 +60,11 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
 
+    def num_free_slots(self, seq: Sequence) -> int:
+        """How many more tokens seq can write without anyone freeing a block: the rest of its
+        blocks plus every free block."""
+        return (len(seq.block_table) + self.num_free_blocks) * self.block_size - seq.num_computed_tokens
+
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks that hold seq's leading full blocks, in order.
 
@@ -62,14 +74,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent = None
+        key = None
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            parent = hash_block(parent, tokens)
-            block_id = self.cached_blocks.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            key = hash_block(key, tokens)
+            block = self.blocks[self.cached_blocks.get(key, 0)]  # block 0, never cached: a miss
+            # Exact: the same tokens after the same (already verified) cached block.
+            if block.hash is None or block.token_ids != tokens or block.parent != (hits[-1] if hits else None):
                 break
-            hits.append(block_id)
+            hits.append(block.block_id)
         return hits
 
     def allocate(self, seq: Sequence, num_tokens: int, cached_prefix: list[int] | None = None) -> bool:
@@ -117,16 +130,18 @@ class BlockManager:
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             block_hash = hash_block(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
             seq.block_hashes.append(block_hash)
-            if block_hash not in self.cached_blocks:  # else the same prefix is cached elsewhere
-                block = self.blocks[seq.block_table[i]]
-                block.hash, block.token_ids = block_hash, tokens
-                self.cached_blocks[block_hash] = block.block_id
+            parent = seq.block_table[i - 1] if i > 0 else None
+            if block_hash in self.cached_blocks or (parent is not None and self.blocks[parent].hash is None):
+                continue  # this prefix is cached already, in other blocks: leave it to them
+            block = self.blocks[seq.block_table[i]]
+            block.hash, block.token_ids, block.parent = block_hash, tokens, parent
+            self.cached_blocks[block_hash] = block.block_id
 
     def evict(self, block: Block) -> None:
         """Forget a block's cached contents: it is about to be overwritten."""
         if block.hash is not None:
             del self.cached_blocks[block.hash]
-            block.hash = block.token_ids = None
+            block.hash = block.token_ids = block.parent = None
 
     def assert_invariants(self, seqs: list[Sequence]) -> None:
         """Check the invariants above against `seqs`, all the live requests; raise AssertionError
@@ -149,7 +164,10 @@ class BlockManager:
             assert len(held) < 2 or all(i < seq.num_computed_tokens // self.block_size for seq, i in held), \
                 f"{where} is shared but not full and computed in {[seq for seq, _ in held]}"
         for block_hash, block_id in self.cached_blocks.items():
-            assert self.blocks[block_id].hash == block_hash, f"the prefix cache maps {block_hash} to block {block_id}"
+            block = self.blocks[block_id]
+            assert block.hash == block_hash, f"the prefix cache maps {block_hash.hex()} to block {block_id}"
+            assert block.parent is None or self.blocks[block.parent].hash is not None, \
+                f"cached block {block_id} outlived its parent block {block.parent}"
 
     def assert_writable(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """Check one step's plan: the slots each request writes, [num_computed_tokens,

@@ -1,10 +1,13 @@
 """Engine configuration: one frozen dataclass, checked once, never written back.
 
-Values derived from it (the model's max length, the number of KV blocks) are computed by the
-engine and passed on as arguments, so a Config always says exactly what the user asked for.
+Values derived from it (the model's max length by the engine, the number of KV blocks by the
+model runner) are computed where they are needed and passed on as arguments, so a Config always
+says exactly what the user asked for.
 """
 from __future__ import annotations
 
+import numbers
+import os
 from dataclasses import dataclass, fields
 
 # Without num_kvcache_blocks on a CPU, the KV cache takes at most this share of available RAM.
@@ -21,12 +24,14 @@ class Config:
     max_model_len: int | None = None          # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     dtype: str = "auto"                       # auto: float32 on CPU, bfloat16 on CUDA
-    device: str | None = None                 # None: cuda if available, else cpu
+    device: str | None = None                 # None: cuda if available, else cpu; or "mps" (Apple)
     attention_backend: str = "auto"           # "auto" | "flash" | "torch"
     scheduling: str = "continuous"            # "continuous" | "static" (the baseline)
     gpu_memory_utilization: float = 0.9       # share of GPU memory for weights + KV cache
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, str):
+            raise ValueError(f"model must be a path to a model folder (str), got {self.model!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             check_positive_int(name, getattr(self, name))
         for name in ("num_kvcache_blocks", "max_model_len"):
@@ -38,8 +43,13 @@ class Config:
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if self.device is not None and not isinstance(self.device, str):
+            raise ValueError(f"device must be a str such as 'cpu', 'cuda', 'cuda:1' or 'mps', got {self.device!r}")
+        utilization = self.gpu_memory_utilization
+        if not isinstance(utilization, numbers.Real) or isinstance(utilization, bool) or not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: object) -> Config:
@@ -48,7 +58,7 @@ class Config:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(f"unknown config key(s) {unknown}; valid keys: {sorted(known - {'model'})}")
-        return cls(model=model, **kwargs)
+        return cls(model=os.fspath(model) if isinstance(model, os.PathLike) else model, **kwargs)
 
 
 def check_positive_int(name: str, value: object) -> None:

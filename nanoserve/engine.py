@@ -4,6 +4,11 @@
     schedule -> build_batch -> model forward + sample -> update (append tokens, finish, free blocks)
 Requests can be added and aborted between any two steps. `LLM` is the offline front end:
 `generate` adds every prompt and steps until all have finished. The API mirrors vLLM's.
+
+Not thread-safe: one thread owns an engine and makes every call on it (add_request, step,
+abort_request). Two threads in `step()` corrupt the bookkeeping, and an abort that lands inside a
+step breaks it. A server runs the engine loop in one thread and hands it requests and aborts
+through a queue.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from nanoserve.batch import Batch, build_batch, samples_now
@@ -59,16 +64,20 @@ class StepResult:
 
 class LLMEngine:
     """The serving loop: requests in (`add_request`), one step of continuous batching at a time
-    (`step`), finished requests out (`StepResult.outputs`)."""
+    (`step`), finished requests out (`StepResult.outputs`). Every request that was accepted comes
+    out exactly once in some step's outputs, an aborted one too (in the step after the abort).
+    Not thread-safe: see the module docstring."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(config.device)
         hf_config = read_config(config.model)
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
         if self.max_model_len > hf_config.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={hf_config.max_position_embeddings}")
+        if config.block_size > self.max_model_len:  # most of every block would never be used
+            raise ValueError(f"block_size={config.block_size} is larger than max_model_len={self.max_model_len}")
         self.model_runner = ModelRunner(config, self.device, self.max_model_len)
         self.vocab_size = self.model_runner.model.vocab_size
         num_blocks = self.model_runner.num_blocks
@@ -80,6 +89,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len, read_eos_token_ids(config.model, hf_config))
         self.requests: dict[str, Sequence] = {}  # unfinished requests by id
+        self.aborted: list[RequestOutput] = []   # aborted since the last step, reported by the next
         self.request_counter = itertools.count()
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
@@ -91,11 +101,16 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if request_id is None:  # the next number that no caller has taken as an id
             request_id = next(i for i in map(str, self.request_counter) if i not in self.requests)
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
+        bad = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
         seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -105,6 +120,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"prompt is a string but {self.config.model} has no tokenizer; pass token ids")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as error:  # a lone surrogate such as "\ud800"
+                raise ValueError(f"prompt is not valid Unicode text: {error}") from None
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids = list(prompt)
@@ -118,12 +137,14 @@ class LLMEngine:
         return token_ids
 
     def abort_request(self, request_id: str) -> RequestOutput:
-        """Stop a request in any state; its blocks come back at once."""
-        seq = self.requests.pop(request_id, None)
+        """Stop a request in any state, between steps; its blocks come back at once. Returns its
+        output (finish_reason "abort"), which the next step's outputs also report."""
+        seq = self.requests.pop(request_id, None) if isinstance(request_id, str) else None
         if seq is None:
             raise ValueError(f"no unfinished request with id {request_id!r}")
         self.scheduler.finish(seq, "abort")
-        return self.make_output(seq)
+        self.aborted.append(self.make_output(seq))
+        return self.aborted[-1]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -146,11 +167,12 @@ class LLMEngine:
     def step(self) -> StepResult:
         """One turn of continuous batching: schedule -> build_batch -> forward + sample -> update.
         Every unfinished request whose turn it is gets its next prefill chunk or decode token."""
+        aborted, self.aborted = self.aborted, []
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never expected
-            return StepResult(None, [], [], [])
+            return StepResult(None, [], [], aborted)
         decode_ids = [seq.request_id for seq, n in scheduled if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens]
         batch = build_batch(scheduled, self.config.block_size, self.device)
         sampling = [seq for seq, n in scheduled if samples_now(seq, n)]
@@ -159,13 +181,13 @@ class LLMEngine:
         for seq in finished:
             del self.requests[seq.request_id]
         return StepResult(batch, [(seq.request_id, n) for seq, n in scheduled], decode_ids,
-                          [self.make_output(seq) for seq in finished])
+                          aborted + [self.make_output(seq) for seq in finished])
 
     def make_output(self, seq: Sequence) -> RequestOutput:
         text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if self.tokenizer else None
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
         return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens],
-                             seq.output_token_ids, text, seq.finish_reason, seq.num_cached_tokens,
+                             seq.output_token_ids, text, seq.finish_reason, seq.num_cached_tokens or 0,
                              ttft, seq.finish_time - seq.arrival_time)
 
 
@@ -175,17 +197,18 @@ class LLM:
     def __init__(self, model: str, **config: object) -> None:
         self.engine = LLMEngine(Config.from_kwargs(model, **config))
 
-    def generate(self, prompts: list[str] | list[list[int]],
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Serve all prompts together; returns their outputs in input order. A single prompt (a
-        string or a list of token ids) is served as a list of one."""
-        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
+        string or a list of token ids) is served as a list of one. A request aborted meanwhile
+        (through llm.engine, between steps) comes back with finish_reason "abort". If anything
+        fails, its requests are aborted before the error propagates: the engine is left idle."""
+        prompts = as_prompt_list(prompts)
         if self.engine.has_unfinished_requests():
             raise ValueError("LLM.generate needs an idle engine: requests added to llm.engine are "
                              "served by calling llm.engine.step() until they finish")
-        if not isinstance(sampling_params, list):
+        if not isinstance(sampling_params, (list, tuple)):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
@@ -193,11 +216,16 @@ class LLM:
         try:
             for prompt, params in zip(prompts, sampling_params):
                 ids.append(self.engine.add_request(prompt, params))
-        except ValueError:
-            for request_id in ids:  # leave the engine as it was
-                self.engine.abort_request(request_id)
+            return self.run_until_done(ids, use_tqdm)
+        except BaseException:  # a bad prompt, an error in a step, Ctrl-C: leave the engine idle
+            for request_id in ids:
+                if request_id in self.engine.requests:
+                    self.engine.abort_request(request_id)
+            self.engine.aborted.clear()  # these aborts are reported by raising, not by a step
             raise
-        pending = set(ids)
+
+    def run_until_done(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request in `ids` has an output; they are in input order."""
         outputs: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
         start, num_prefill, num_decode = time.perf_counter(), 0, 0
@@ -208,10 +236,39 @@ class LLM:
             seconds = time.perf_counter() - start
             bar.set_postfix(prefill=f"{num_prefill / seconds:.0f} tok/s",
                             decode=f"{num_decode / seconds:.0f} tok/s", refresh=False)
-            outputs.update((o.request_id, o) for o in result.outputs if o.request_id in pending)
+            outputs.update((o.request_id, o) for o in result.outputs)
             bar.update(len(outputs) - bar.n)
         bar.close()
         return [outputs[request_id] for request_id in ids]
+
+
+def as_prompt_list(prompts: object) -> list[str] | list[list[int]]:
+    """generate's prompts as a list: one prompt (a string or a list of token ids) becomes a list
+    of one; a list or tuple of prompts stays as it is (each is checked by add_request)."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and all(isinstance(t, int) for t in prompts)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
+                         f"got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """Config's device -> torch.device. None picks CUDA where there is one, else the CPU; "mps"
+    (Apple GPUs) runs the torch attention backend. A device this machine lacks is a ValueError."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device {name!r} is not a device name such as 'cpu', 'cuda', 'cuda:1' or 'mps'") from None
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not available.get(device.type, False):
+        raise ValueError(f"device {name!r} is not available on this machine (supported: cpu, cuda, mps)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def read_eos_token_ids(path: str, hf_config: PretrainedConfig) -> set[int]:

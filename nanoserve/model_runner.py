@@ -6,11 +6,11 @@ Planning (scheduler, block_manager) never touches tensors; here a plan, flattene
 from __future__ import annotations
 
 import json
-import os
 import re
 import warnings
 from pathlib import Path
 
+import psutil
 import torch
 
 from nanoserve.attention import select_backend
@@ -30,6 +30,10 @@ class ModelRunner:
         self.backend = select_backend(config.attention_backend, device, config.block_size, self.dtype)
         self.model = load_model(config.model, self.dtype, device, self.backend)
         self.num_blocks = config.num_kvcache_blocks or self.size_kv_cache(config, max_model_len)
+        needed, available = self.num_blocks * self.bytes_per_block(config.block_size), self.free_memory()[0]
+        if needed > available:
+            raise ValueError(f"num_kvcache_blocks={self.num_blocks} needs {needed / 2**30:.2f} GiB for the KV cache, "
+                             f"but only {available / 2**30:.2f} GiB of {device.type} memory is free")
         # [2 (k and v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]: flash-attn's
         # paged layout per layer. Zeros, not empty: padding slots are read (and masked) by attention.
         self.kv_cache = torch.zeros(2, self.model.num_layers, self.num_blocks, config.block_size,
@@ -39,16 +43,25 @@ class ModelRunner:
         m = self.model
         return 2 * m.num_layers * block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
 
+    def free_memory(self) -> tuple[int, int]:
+        """(free, total) bytes of the device's memory; on a CPU, or Apple's unified memory, the RAM
+        available to a new allocation (psutil: the same on Linux, macOS and Windows)."""
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)
+        memory = psutil.virtual_memory()
+        return memory.available, memory.total
+
     def size_kv_cache(self, config: Config, max_model_len: int) -> int:
         """How many blocks fit the memory budget: `gpu_memory_utilization` of the GPU, or
-        CPU_KV_CACHE_FRACTION of available RAM; never more than every seat filled to max_model_len."""
+        CPU_KV_CACHE_FRACTION of available RAM; never more than every seat filled to max_model_len.
+        Too few for one request is an error the engine reports, never a cache over budget."""
+        free, total = self.free_memory()
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - config.gpu_memory_utilization) * total
         else:
-            budget = CPU_KV_CACHE_FRACTION * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = CPU_KV_CACHE_FRACTION * free
         most_needed = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
-        return max(2, min(int(budget // self.bytes_per_block(config.block_size)), most_needed))
+        return max(0, min(int(budget // self.bytes_per_block(config.block_size)), most_needed))
 
     @torch.inference_mode()
     def run(self, batch: Batch, seqs: list[Sequence]) -> list[int]:

@@ -3,83 +3,121 @@
 All rows are sampled together: greedy rows by argmax, the others by temperature, top-k and
 top-p, then one draw per row. A request with a `seed` draws its noise from its own generator,
 so its tokens do not depend on which other requests share the batch.
+Every SamplingParams that can be made can be sampled with: a bad value is refused when the
+params are made, never in the middle of a step where it would stall the whole batch.
 """
 from __future__ import annotations
 
+import hashlib
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
+
+# Temperatures below this are greedy, as in vLLM: dividing logits by them overflows float32
+# (1e-38 turns every row into inf/nan, and a nan row's argmax is token 0).
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled and when it stops (the names and defaults follow vLLM)."""
-    temperature: float = 1.0       # 0 means greedy
-    top_k: int = 0                 # 0 or -1: off
-    top_p: float = 1.0             # 1.0: off
+    temperature: float = 1.0       # 0, or anything below MIN_TEMPERATURE, means greedy
+    top_k: int = 0                 # 0 or -1: off; more than the vocabulary: off too
+    top_p: float = 1.0             # 1.0: off; the most likely token is always kept
     max_tokens: int = 16
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: tuple[int, ...] | None = None   # a list is accepted and stored as a tuple
+    seed: int | None = None        # any int
 
     def __post_init__(self) -> None:
-        if not is_number(self.temperature) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int >= -1 (0 and -1 mean off), got {self.top_k!r}")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        if self.stop_token_ids is not None and not (isinstance(self.stop_token_ids, (list, tuple))
-                                                     and all(is_int(t) for t in self.stop_token_ids)):
-            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        t, p, k, m, stop, seed = (self.temperature, self.top_p, self.top_k, self.max_tokens,
+                                  self.stop_token_ids, self.seed)
+        require(is_finite_real(t) and t >= 0, "temperature", t, "a finite number >= 0")
+        require(is_finite_real(p) and 0 < p <= 1, "top_p", p, "a number in (0, 1]")
+        require(is_int(k) and k >= -1, "top_k", k, "an int >= -1 (0 and -1 mean off)")
+        require(is_int(m) and m >= 1, "max_tokens", m, "an int >= 1")
+        require(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "a bool")
+        require(stop is None or (isinstance(stop, (list, tuple)) and all(is_int(s) and s >= 0 for s in stop)),
+                "stop_token_ids", stop, "None or a list of ints >= 0")
+        require(seed is None or is_int(seed), "seed", seed, "an int or None")
+        # Store plain Python values (a numpy scalar becomes a float or an int) and a tuple, so the
+        # params hash like any frozen dataclass; frozen, so through object.__setattr__.
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "top_k", int(k))
+        object.__setattr__(self, "max_tokens", int(m))
+        object.__setattr__(self, "stop_token_ids", None if stop is None else tuple(int(s) for s in stop))
+        object.__setattr__(self, "seed", None if seed is None else int(seed))
+
+
+def require(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
 
 
 def is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """Any integer type (numpy's too), but not bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def is_finite_real(value: object) -> bool:
+    """Any real number type (numpy's float32 too), but not bool, nan, inf or an int beyond float."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]) -> list[int]:
     """logits [S, vocab] float32, one row per request that samples now -> S token ids.
     `num_generated[row]` is how many tokens that request has sampled before this one."""
-    greedy = logits.argmax(dim=-1)
-    if all(p.temperature == 0 for p in params):
+    greedy = logits.argmax(dim=-1)                                              # [S]
+    is_greedy = [p.temperature < MIN_TEMPERATURE for p in params]
+    if all(is_greedy):
         return greedy.tolist()
-    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+    # Greedy rows divide by 1: their draw is thrown away below, but must not overflow meanwhile.
+    temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, is_greedy)],
+                               device=logits.device)                           # [S]
     probs = apply_top_k_top_p(torch.softmax(logits / temperature[:, None], dim=-1), params)
     # Gumbel-style draw: argmax(probs / Exp(1) noise) is a sample from probs. A seeded request's
     # noise for its n-th token comes from a generator seeded by (seed, n) alone, so its tokens are
     # the same in any batch, and after a preemption; the others share the global generator.
-    noise = torch.empty_like(probs).exponential_()
+    noise = torch.empty_like(probs).exponential_()                              # [S, vocab]
     for row, (p, n) in enumerate(zip(params, num_generated)):
         if p.seed is not None:
-            generator = torch.Generator().manual_seed(hash((p.seed, n)) % 2**63)  # on the CPU, any device
+            generator = torch.Generator().manual_seed(noise_seed(p.seed, n))  # on the CPU, any device
             noise[row] = torch.empty(probs.shape[1]).exponential_(generator=generator)
-    sampled = (probs / noise).argmax(dim=-1)
-    is_greedy = torch.tensor([p.temperature == 0 for p in params], device=logits.device)
-    return torch.where(is_greedy, greedy, sampled).tolist()
+    # A draw of exactly 0 (possible on some devices) would make 0 / 0 = nan for a zeroed token.
+    sampled = (probs / noise.clamp_(min=1e-30)).argmax(dim=-1)                  # [S]
+    return torch.where(torch.tensor(is_greedy, device=logits.device), greedy, sampled).tolist()
+
+
+def noise_seed(seed: int, n: int) -> int:
+    """A 64-bit generator seed for a request's n-th token. A cryptographic hash, not Python's hash():
+    that one maps -1 and -2 (and ints 2**61 - 1 apart) to the same value, so two seeds would sample
+    alike. sha256 is the same in every process and platform and takes ints of any size."""
+    return int.from_bytes(hashlib.sha256(f"{seed},{n}".encode()).digest()[:8], "little")
 
 
 def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Zero the probabilities outside each row's top-k and top-p set; probs [S, vocab]."""
-    top_k = [p.top_k if p.top_k > 0 else probs.shape[1] for p in params]
+    # A top_k beyond the vocabulary keeps everything (and would not fit a torch int64).
+    top_k = [min(p.top_k, probs.shape[1]) if p.top_k > 0 else probs.shape[1] for p in params]
     top_p = [p.top_p for p in params]
-    if max(top_k) == probs.shape[1] and min(top_k) == probs.shape[1] and min(top_p) == 1.0:
+    if min(top_k) == probs.shape[1] and min(top_p) == 1.0:  # every row off: nothing to zero
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)       # [S, vocab]
     rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
     k = torch.tensor(top_k, device=probs.device)[:, None]
     p = torch.tensor(top_p, device=probs.device)[:, None]
-    # Keep a token if it is among the top k and the mass before it is still below top_p,
-    # so the most likely token is always kept.
+    # Keep a token if it is among the top k and the mass before it is still below top_p. The most
+    # likely token is kept by name: a tiny top_p (5e-324) is 0 in float32, and "mass before < 0"
+    # would keep nothing, leaving an all-zero row whose argmax is token 0.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep = (rank < k) & (mass_before < p)
+    keep = (rank < k) & ((mass_before < p) | (rank == 0))
     sorted_probs = sorted_probs * keep
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

@@ -7,11 +7,14 @@ Continuous batching works token by token, not request by request. Each step has 
    "all requests' current tokens flattened into one batch".
 2. Then waiting requests are admitted first come, first served, while budget, blocks and
    `max_num_seqs` allow. A prefix-cache hit counts as already computed.
-When blocks run out, the newest running request is preempted by recompute: its blocks are freed
-and it goes back to the front of the queue. Its tokens are kept, so nothing is lost.
+When blocks run out, a prefill chunk first shrinks to what the free blocks hold; if not even one
+token fits, the newest running request is preempted by recompute: its blocks are freed and it goes
+back to the front of the queue, ahead of requests that never ran. Its tokens are kept, so nothing
+is lost. A step that preempted admits no one.
 
-`scheduling="static"` is the baseline of the walkthrough's section 1 (static batching): a batch is admitted only when the
-previous one has completely finished, and KV space for prompt + max_tokens is reserved up front.
+`scheduling="static"` is the baseline (static batching, docs/batching.md): a batch is admitted only
+when the previous one has completely finished, and KV space for prompt + max_tokens - 1 tokens is
+reserved up front (the last sampled token's KV is never needed).
 
 Invariants (`assert_invariants` checks them): every accepted request is in exactly one of
 `waiting`, `running`, or finished; waiting requests hold no blocks; a step writes only into blocks
@@ -40,7 +43,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is last
         self.num_preemptions = 0
-        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache, over all admissions
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache, over all requests
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -52,24 +55,38 @@ class Scheduler:
         """Plan one step. Returns the scheduled requests in batch order."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        preempted = False
+        num_preemptions = self.num_preemptions
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0:  # oldest first; preemption shortens the list
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            # Out of blocks: preempt the newest running request until seq fits, or seq was the newest.
-            while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
-                self.preempt(self.running[-1])
-                preempted = True
-                if seq.status is SequenceStatus.WAITING:  # seq itself was the newest
-                    break
-            else:  # (the loop ended without break) seq's blocks are allocated: schedule it
-                scheduled.append((seq, num_new))
-                budget -= num_new
-                i += 1
-        if not preempted and not (self.config.scheduling == "static" and self.running):
-            scheduled += self.admit_waiting(budget)
-        return scheduled
+            num_new = self.fit_or_preempt(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            if num_new == 0:  # seq itself was preempted, so it was the newest: no one is left
+                break
+            scheduled.append((seq, num_new))
+            budget -= num_new
+            i += 1
+        # A step that preempted is out of blocks: an admission would only be preempted in turn.
+        if self.num_preemptions > num_preemptions:
+            return scheduled
+        # Static batching admits a new batch only once the last one has completely finished.
+        if self.config.scheduling == "static" and self.running:
+            return scheduled
+        return scheduled + self.admit_waiting(budget)
+
+    def fit_or_preempt(self, seq: Sequence, num_new: int) -> int:
+        """Allocate blocks for seq's next `num_new` tokens, or for as many as fit (a shorter
+        prefill chunk). If not even one token fits, preempt the newest running request and try
+        again. Returns how many tokens of seq run this step; 0 if seq itself was preempted."""
+        while True:
+            num_fitting = min(num_new, self.block_manager.num_free_slots(seq))
+            if num_fitting > 0:
+                allocated = self.block_manager.allocate(seq, seq.num_computed_tokens + num_fitting)
+                assert allocated, f"{seq}: {num_fitting} free slots but no blocks"
+                return num_fitting
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return 0
 
     def admit_waiting(self, budget: int) -> list[ScheduledSeq]:
         """Move waiting requests to running, first come first served, while they fit."""
@@ -88,9 +105,9 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_computed
-            # After a preemption the hits may reach into its own output: count only the prompt's.
-            seq.num_cached_tokens = min(num_computed, seq.num_prompt_tokens)
-            self.num_cached_tokens += seq.num_cached_tokens
+            if seq.num_cached_tokens is None:  # first admission (a preempted request finds its own blocks)
+                seq.num_cached_tokens = min(num_computed, seq.num_prompt_tokens)
+                self.num_cached_tokens += seq.num_cached_tokens
             self.running.append(seq)
             if num_new > 0:
                 scheduled.append((seq, num_new))

@@ -30,9 +30,11 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)          # prompt, then every sampled token
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0                     # tokens whose KV is in the cache
-        self.num_cached_tokens = 0                       # of those, taken from the prefix cache
+        # Prompt tokens found in the prefix cache when first admitted (None until then); tokens
+        # re-found after a preemption are its own, recomputed or not, and do not count.
+        self.num_cached_tokens: int | None = None
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []                # hash chain of the full blocks, in order
+        self.block_hashes: list[bytes] = []              # prefix-cache keys of the full blocks, in order
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None            # "stop" | "length" | "abort"
         self.arrival_time = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Step traces: what one engine step did, printed and drawn the way the walkthrough shows it.
+"""Step traces: what one engine step did, printed and drawn as in the walkthrough (docs/walkthrough.md).
 
 `format_step` prints a `StepResult` as the walkthrough's arrays, one line each (`input_ids`,
 `positions`, `slot_mapping`, `query_start_loc`, `seq_lens`, `block_tables`), then which requests

@@ -235,7 +235,8 @@ def test_query_that_sees_no_key_gets_zero():
 
 
 def walkthrough_prefill_batch() -> Batch:
-    """Walkthrough step 1: block_size 4, prompts of 5, 7, 3 tokens in blocks [1,2], [3,4], [5]."""
+    """Step 1 of the walkthrough (docs/walkthrough.md): block_size 4, prompts of 5, 7, 3 tokens in
+    blocks [1,2], [3,4], [5]."""
     return Batch(
         input_ids=torch.tensor([1, 2, 3, 4, 5, 1, 6, 5, 7, 8, 9, 10, 1, 12, 13]),
         positions=torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2]),
@@ -251,7 +252,7 @@ def walkthrough_prefill_batch() -> Batch:
 
 
 def walkthrough_decode_batch() -> Batch:
-    """Walkthrough step 2: one new token per request, at positions 5, 7, 3."""
+    """Step 2 of the walkthrough: one new token per request, at positions 5, 7, 3."""
     return Batch(
         input_ids=torch.tensor([14, 15, 16]),
         positions=torch.tensor([5, 7, 3]),

@@ -4,7 +4,7 @@ from nanoserve.block_manager import BlockManager
 from nanoserve.sampler import SamplingParams
 from nanoserve.sequence import Sequence
 
-WALKTHROUGH_PROMPTS = [[1, 2, 3, 4, 5], [1, 6, 5, 7, 8, 9, 10], [1, 12, 13]]
+WALKTHROUGH_PROMPTS = [[1, 2, 3, 4, 5], [1, 6, 5, 7, 8, 9, 10], [1, 12, 13]]  # docs/walkthrough.md
 
 
 def make_seq(tokens: list[int], request_id: str = "r") -> Sequence:
@@ -82,10 +82,40 @@ def test_hash_is_chained_over_the_prefix():
 
 def test_a_hash_collision_is_verified_away(monkeypatch):
     import nanoserve.block_manager as block_manager
-    monkeypatch.setattr(block_manager, "hash_block", lambda parent, tokens: 42)  # everything collides
+    monkeypatch.setattr(block_manager, "hash_block", lambda parent, tokens: b"42")  # everything collides
     bm = BlockManager(num_blocks=16, block_size=2)
     run_prefill(bm, make_seq([1, 2, 3], "a"))
     assert bm.find_cached_prefix(make_seq([5, 6, 7], "b")) == []
+
+
+def test_a_forged_key_never_serves_another_prefix(monkeypatch):
+    """A key that ignores a block's first token lets [9, 2] and [1, 2] collide. Request b, whose first
+    block collided with a's, computes its second block [3, 4] after [9, 2]; a hit for [1, 2, 3, 4]
+    must not take that KV, although its key and its own tokens match (the bug: only the block's own
+    tokens were checked, so a crafted prompt was served another request's KV)."""
+    import nanoserve.block_manager as block_manager
+    monkeypatch.setattr(block_manager, "hash_block", lambda parent, tokens: repr((parent, tokens[1:])).encode())
+    bm = BlockManager(num_blocks=16, block_size=2)
+    a, b = make_seq([1, 2, 7, 7, 0], "a"), make_seq([9, 2, 3, 4, 0], "b")
+    run_prefill(bm, a)
+    run_prefill(bm, b)
+    assert bm.find_cached_prefix(b) == []  # b's own first block lost to a's: nothing of b is cached
+    bm.assert_invariants([a, b])
+    assert bm.find_cached_prefix(make_seq([1, 2, 3, 4, 0], "c")) == a.block_table[:1]
+
+
+def test_a_cached_block_is_evicted_before_its_parent():
+    bm = BlockManager(num_blocks=6, block_size=2)  # 5 usable blocks
+    a = make_seq([1, 2, 3, 4, 5], "a")
+    run_prefill(bm, a)                    # blocks 1 [1, 2], 2 [3, 4] cached, 3 [5]
+    b = make_seq([1, 2, 8], "b")
+    run_prefill(bm, b)                    # shares block 1 only
+    bm.free(a)
+    bm.free(b)                            # block 1 is freed last, after its child 2
+    c = make_seq(list(range(20, 25)), "c")
+    run_prefill(bm, c)                    # takes 3 blocks: 4, 5, then the least recently freed, 2
+    assert bm.find_cached_prefix(make_seq([1, 2, 3, 4, 9], "d")) == [1]
+    bm.assert_invariants([c])
 
 
 def test_freed_blocks_stay_cached_until_evicted_lru():

@@ -58,5 +58,5 @@ def test_example_runs() -> None:
     assert result.returncode == 0, result.stderr
     assert "Summary: 8 requests" in result.stdout
     assert re.search(r"prefix cache hits: [1-9]\d* prompt tokens", result.stdout)
-    # --trace 2: the first two steps as the walkthrough's arrays, no more
+    # --trace 2: the first two steps as the walkthrough's arrays (docs/walkthrough.md), no more
     assert result.stdout.count("slot_mapping    = ") == 2 and "\nstep 2: " in result.stdout

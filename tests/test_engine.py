@@ -210,3 +210,65 @@ def test_eos_from_generation_config_stops_a_request(tiny_models, tmp_path):
     [out] = LLM(str(path), block_size=4).generate([PROMPTS[2]], greedy(MAX_TOKENS[2]), use_tqdm=False)
     first = expected.index(expected[3])
     assert (out.token_ids, out.finish_reason) == (expected[:first + 1], "stop")
+
+
+def test_large_batches_take_every_decode_path(tiny_models):
+    """60 requests decode together: the torch backend splits a decode batch of 16 or more rows by
+    context length, and the benchmark runs 48-64 rows. A wrong length for one group, or rows put
+    back in the wrong order, changes tokens here (small batches never take that path)."""
+    path = tiny_models["gqa"]
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(1, 60))] for _ in range(60)]
+    max_tokens = [rng.randrange(4, 12) for _ in prompts]
+    outputs = LLM(path, block_size=4).generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
+    assert [o.token_ids for o in outputs] == conftest.reference(path, prompts, max_tokens)
+
+
+def test_stop_rules_at_the_edges(tiny_models, tmp_path):
+    import shutil
+    path = tiny_models["gqa"]
+    expected = reference(path)[2]
+    last = expected[3]  # the 4th greedy token, made the EOS token and the last one allowed
+    first = expected.index(last)
+    copy = shutil.copytree(path, tmp_path / "model")
+    (copy / "generation_config.json").write_text(f'{{"eos_token_id": {last}}}')
+    eos = LLM(str(copy), block_size=4).generate([PROMPTS[2]], greedy(first + 1), use_tqdm=False)[0]
+    # EOS sampled as the last allowed token is a stop, not a length cut.
+    assert (eos.token_ids, eos.finish_reason) == (expected[:first + 1], "stop")
+    stop = LLM(path, block_size=4).generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=first + 1, stop_token_ids=[last]),
+                        use_tqdm=False)[0]
+    assert (stop.token_ids, stop.finish_reason) == (expected[:first + 1], "stop")
+    # A prompt of exactly max_model_len tokens is served: one token, then the length limit.
+    llm, full = LLM(path, block_size=4, max_model_len=32), list(range(3, 35))
+    out = llm.generate([full], greedy(5), use_tqdm=False)[0]
+    assert (out.token_ids, out.finish_reason) == (conftest.reference(path, [full], [1])[0], "length")
+    with pytest.raises(ValueError, match="33 tokens, more than max_model_len=32"):
+        llm.generate([full + [3]], greedy(5), use_tqdm=False)
+
+
+def test_ttft_is_stamped_at_the_first_token(tiny_models):
+    import time
+    engine = LLM(tiny_models["gqa"], block_size=4).engine
+    request_id = engine.add_request(PROMPTS[1], greedy(3))
+    engine.step()  # the prefill samples the first token
+    time.sleep(0.2)  # then a long pause before the other two
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step().outputs
+    [output] = outputs
+    assert output.request_id == request_id and len(output.token_ids) == 3
+    assert output.latency - output.ttft >= 0.2 and output.ttft < output.latency
+
+
+def test_a_forged_prefix_cache_key_never_changes_an_output(tiny_models, monkeypatch):
+    """Keys that ignore each block's first token make [x, 2, 3, 4] and [y, 2, 3, 4] collide: the
+    engine must still serve every request exactly (a hit must match the whole prefix)."""
+    import nanoserve.block_manager as block_manager
+    monkeypatch.setattr(block_manager, "hash_block", lambda parent, tokens: repr((parent, tokens[1:])).encode())
+    path = tiny_models["gqa"]
+    tail = list(range(40, 52))
+    prompts = [[10, 11, 12, 13] + tail, [20, 11, 12, 13] + tail, [10, 11, 12, 13] + tail[:8] + [99, 98]]
+    llm = LLM(path, block_size=4)
+    outputs = [llm.generate([p], greedy(6), use_tqdm=False)[0] for p in prompts]  # one by one: cache hits
+    assert [o.token_ids for o in outputs] == conftest.reference(path, prompts, [6] * 3)
+    assert [o.num_cached_tokens for o in outputs] == [0, 0, 12]  # the second collided and was refused

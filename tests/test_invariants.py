@@ -28,6 +28,8 @@ class Request:
     max_tokens: int
     arrival_step: int
     abort_step: int | None  # aborted at this step if still unfinished then
+    stop_token_ids: list[int]
+    ignore_eos: bool
 
 
 @dataclass
@@ -36,6 +38,7 @@ class Workload:
     num_blocks: int
     max_model_len: int
     requests: list[Request]
+    eos_token_ids: set[int]
 
 
 def token_lists(max_size: int) -> st.SearchStrategy[list[int]]:
@@ -60,8 +63,11 @@ def workloads(draw: st.DrawFn) -> Workload:
         prompt = (draw(st.sampled_from(prefixes)) + draw(token_lists(max_model_len // 2)))[:max_model_len] or [0]
         requests.append(Request(prompt, max_tokens=draw(st.integers(1, max_model_len)),
                                 arrival_step=draw(st.integers(0, 10)),
-                                abort_step=draw(st.none() | st.none() | st.integers(0, 40))))
-    return Workload(config, num_blocks, max_model_len, requests)
+                                abort_step=draw(st.none() | st.none() | st.integers(0, 40)),
+                                stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=1)),
+                                ignore_eos=draw(st.booleans())))
+    eos_token_ids = draw(st.sets(st.integers(0, VOCAB - 1), max_size=1))
+    return Workload(config, num_blocks, max_model_len, requests, eos_token_ids)
 
 
 def kv_of(token_ids: list[int]) -> list[int]:
@@ -97,27 +103,33 @@ def run_fake_model(scheduled: list[ScheduledSeq], kv_cache: dict[int, int], bloc
     return sampled
 
 
-def expected_output(w: Workload, r: Request) -> list[int]:
-    """What the request generates alone: max_tokens, or fewer when max_model_len is reached."""
+def expected_output(w: Workload, r: Request) -> tuple[str, list[int]]:
+    """What the request generates alone, and why it stops: "stop" after a stop token or (unless
+    ignore_eos) an EOS token, else "length" after max_tokens or when max_model_len is reached."""
     tokens = list(r.prompt)
+    stops = set(r.stop_token_ids) | (set() if r.ignore_eos else w.eos_token_ids)
     for _ in range(min(r.max_tokens, max(1, w.max_model_len - len(r.prompt)))):
         tokens.append(next_token(kv_of(tokens)))
-    return tokens[len(r.prompt):]
+        if tokens[-1] in stops:
+            return "stop", tokens[len(r.prompt):]
+    return "length", tokens[len(r.prompt):]
 
 
 # Chunked prefill stops request 0 mid-block; request 1, with the same prompt, is admitted next step
 # while request 0 is still filling that block: it must not be shared (nor cached) yet.
 MID_BLOCK_PREFIX_HIT = Workload(
     Config(model="unused", block_size=4, num_kvcache_blocks=9, max_num_batched_tokens=6, max_num_seqs=2),
-    num_blocks=9, max_model_len=16, requests=[Request([1, 2, 3, 0, 1, 2, 3, 0, 1, 2], 2, 0, None)] * 2)
+    num_blocks=9, max_model_len=16, requests=[Request([1, 2, 3, 0, 1, 2, 3, 0, 1, 2], 2, 0, None, [], False)] * 2,
+    eos_token_ids=set())
 
 
 @settings(max_examples=200, deadline=None, database=None)
 @given(workloads())
 @example(MID_BLOCK_PREFIX_HIT)
 def test_random_workloads_keep_every_invariant(w: Workload):
-    sched = Scheduler(w.config, w.num_blocks, w.max_model_len, eos_token_ids=set())
-    seqs = [Sequence(str(i), None, r.prompt, SamplingParams(temperature=0, max_tokens=r.max_tokens))
+    sched = Scheduler(w.config, w.num_blocks, w.max_model_len, eos_token_ids=w.eos_token_ids)
+    seqs = [Sequence(str(i), None, r.prompt, SamplingParams(temperature=0, max_tokens=r.max_tokens,
+                                                            stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos))
             for i, r in enumerate(w.requests)]
     kv_cache: dict[int, int] = {}
     last_arrival = max(r.arrival_step for r in w.requests)
@@ -144,12 +156,12 @@ def test_random_workloads_keep_every_invariant(w: Workload):
     assert sched.block_manager.num_free_blocks == w.num_blocks - 1
     for seq, r in zip(seqs, w.requests):
         assert seq.status is SequenceStatus.FINISHED and not seq.block_table
-        assert seq.num_cached_tokens <= seq.num_prompt_tokens
+        assert (seq.num_cached_tokens or 0) <= seq.num_prompt_tokens
         if seq.finish_reason == "abort":
             assert r.abort_step is not None
-            assert seq.output_token_ids == expected_output(w, r)[:len(seq.output_token_ids)]
+            assert seq.output_token_ids == expected_output(w, r)[1][:len(seq.output_token_ids)]
         else:
-            assert (seq.finish_reason, seq.output_token_ids) == ("length", expected_output(w, r))
+            assert (seq.finish_reason, seq.output_token_ids) == expected_output(w, r)
     if w.config.scheduling == "static":
         assert sched.num_preemptions == 0  # static batching reserves every request's KV up front
 
@@ -158,6 +170,8 @@ def test_random_workloads_keep_every_invariant(w: Workload):
 # End to end on a tiny model: random arrival order and steps, a cache small enough to preempt.
 
 def test_random_arrivals_and_preemption_match_transformers(tiny_models):
+    """Greedy requests must equal transformers; seeded sampled requests (with stop tokens) must
+    equal the same request served alone, whatever shares their steps, preemptions included."""
     path = tiny_models["gqa"]
     rng = random.Random(5)
     prefix = [rng.randrange(3, 256) for _ in range(12)]
@@ -165,6 +179,10 @@ def test_random_arrivals_and_preemption_match_transformers(tiny_models):
                for _ in range(8)]
     max_tokens = [rng.randrange(1, 17) for _ in prompts]
     expected = hf_greedy(path, prompts, max_tokens)
+    sampled = {i: SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=i, stop_token_ids=[rng.randrange(3, 256)])
+               for i in (1, 4, 6)}
+    alone = LLM(path, block_size=4)
+    expected_sampled = {i: alone.generate([prompts[i]], p, use_tqdm=False)[0] for i, p in sampled.items()}
     num_preemptions = 0
     for block_size, num_blocks, budget in [(4, 13, 16), (2, 25, 5), (1, 49, 64), (4, 14, 7)]:
         engine = LLM(path, block_size=block_size, num_kvcache_blocks=num_blocks, max_model_len=48,
@@ -172,13 +190,17 @@ def test_random_arrivals_and_preemption_match_transformers(tiny_models):
         order = rng.sample(range(len(prompts)), len(prompts))
         arrivals = sorted(rng.randrange(12) for _ in order)
         outputs, step = {}, 0
-        while len(outputs) < len(prompts):
+        while len(outputs) < 2 * len(prompts):
             for i, arrival in zip(order, arrivals):
                 if arrival == step:
                     engine.add_request(prompts[i], SamplingParams(temperature=0, max_tokens=max_tokens[i]), str(i))
-            outputs.update((int(o.request_id), o.token_ids) for o in engine.step().outputs)
+                    engine.add_request(prompts[i], sampled.get(i, SamplingParams(temperature=0, max_tokens=max_tokens[i])), f"s{i}")
+            outputs.update((o.request_id, o) for o in engine.step().outputs)
             engine.assert_invariants()
             step += 1
-        assert [outputs[i] for i in range(len(prompts))] == expected, (block_size, num_blocks, budget)
+        assert [outputs[str(i)].token_ids for i in range(len(prompts))] == expected, (block_size, num_blocks, budget)
+        for i, want in expected_sampled.items():
+            got = outputs[f"s{i}"]
+            assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), (i, block_size)
         num_preemptions += engine.scheduler.num_preemptions
     assert num_preemptions > 0

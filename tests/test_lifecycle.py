@@ -12,7 +12,7 @@ from transformers import GPT2Config
 
 import conftest
 from conftest import greedy
-from nanoserve import LLM, LLMEngine, SamplingParams
+from nanoserve import DEFAULT_MODEL, LLM, LLMEngine, SamplingParams
 from nanoserve.sequence import SequenceStatus
 
 rng = random.Random(1)
@@ -75,13 +75,17 @@ def test_abort_in_any_state_frees_blocks_at_once(tiny_models, state):
     }[state], state)
     bm = engine.scheduler.block_manager
     own_blocks = [b for b in seq.block_table if bm.blocks[b].ref_cnt == 1]
+    # A prefilling or decoding victim holds blocks of its own; a waiting or preempted one none.
+    assert bool(own_blocks) == (state in ("prefilling", "decoding")), (state, seq.block_table)
     num_free = bm.num_free_blocks
     output = engine.abort_request(victim_id)
     assert output.finish_reason == "abort" and output.token_ids == reference(path)[victim][:len(output.token_ids)]
     assert bm.num_free_blocks == num_free + len(own_blocks) and all(b in bm.free_queue for b in own_blocks)
     assert seq.status is SequenceStatus.FINISHED and victim_id not in engine.requests
+    assert seq not in engine.scheduler.waiting and seq not in engine.scheduler.running
     engine.assert_invariants()
-    assert run_to_completion(engine) == {other_id: reference(path)[other]}
+    # The abort is reported once more, by the next step, so a loop over step() sees every request end.
+    assert run_to_completion(engine) == {other_id: reference(path)[other], victim_id: output.token_ids}
     assert bm.num_free_blocks == engine.model_runner.num_blocks - 1
 
 
@@ -127,11 +131,15 @@ def test_heavy_load_in_a_barely_big_enough_cache(tiny_models):
     assert roomy.engine.stats()["num_cached_tokens"] == sum(o.num_cached_tokens for o in expected) > 0
     # One block more than a 64-token request needs: requests mostly run one or two at a time.
     tight = LLM(path, block_size=4, max_model_len=64, num_kvcache_blocks=17, max_num_batched_tokens=32)
+    preempted = []  # counted here, independently of the counter that stats() reports
+    preempt = tight.engine.scheduler.preempt
+    tight.engine.scheduler.preempt = lambda seq: (preempted.append(seq.request_id), preempt(seq))
     outputs = tight.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
-    assert all(o.finish_reason == "length" and o.num_cached_tokens <= len(o.prompt_token_ids) for o in outputs)
+    assert all(o.finish_reason == "length" and o.num_cached_tokens < len(o.prompt_token_ids) for o in outputs)
     stats = tight.engine.stats()
-    assert stats["num_preemptions"] > 0 and stats["num_preemptions"] == tight.engine.scheduler.num_preemptions
+    assert stats["num_preemptions"] == len(preempted) > 0
+    assert stats["num_cached_tokens"] == sum(o.num_cached_tokens for o in outputs)
     assert (stats["num_waiting"], stats["num_running"], stats["num_free_blocks"]) == (0, 0, 16)
 
 
@@ -163,16 +171,88 @@ def serves_normally(llm: LLM) -> None:
     llm.engine.assert_invariants()
 
 
-@pytest.mark.parametrize("prompt, params, message", [
-    (PROMPTS[1], dict(max_tokens=5), "must be a SamplingParams"),
-    ([[1, 2]], None, "list of int"),
-    ([True, 5], None, "list of int"),
-    (None, None, "string or a list"),
-])
-def test_bad_request_is_rejected_and_the_engine_keeps_serving(llm, prompt, params, message):
+def rejected_mid_flight(llm: LLM, call: Callable[[], object], message: str) -> None:
+    """`call` raises a ValueError matching `message` while a request is half done, and that request
+    still finishes exactly as it would have alone."""
+    engine = llm.engine
+    request_id = engine.add_request(PROMPTS[2], greedy(MAX_TOKENS[2]))
+    engine.step()
     with pytest.raises(ValueError, match=message):
-        llm.engine.add_request(prompt, params)
+        call()
+    engine.assert_invariants()
+    assert run_to_completion(engine) == {request_id: reference(engine.config.model)[2]}
     serves_normally(llm)
+
+
+@pytest.mark.parametrize("prompt, params, request_id, message", [
+    (PROMPTS[1], dict(max_tokens=5), None, "must be a SamplingParams"),
+    ([[1, 2]], None, None, "list of int"),
+    ([True, 5], None, None, "list of int"),
+    (None, None, None, "string or a list"),
+    ([1] * 257, None, None, "more than max_model_len=256"),
+    (PROMPTS[1], SamplingParams(stop_token_ids=[3, 10**9]), None, r"stop_token_ids \[1000000000\] are outside"),
+    (PROMPTS[1], None, 5, "request_id must be a str"),
+    (PROMPTS[1], None, ["unhashable"], "request_id must be a str"),
+])
+def test_bad_request_is_rejected_and_the_engine_keeps_serving(llm, prompt, params, request_id, message):
+    rejected_mid_flight(llm, lambda: llm.engine.add_request(prompt, params, request_id), message)
+
+
+@pytest.mark.parametrize("prompts, message", [
+    ((p for p in PROMPTS), "prompts must be a string, a list of token ids, or a list of those"),
+    ({"a": 1}, "prompts must be"),
+])
+def test_prompts_that_are_no_list_are_refused_by_generate(llm, prompts, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, use_tqdm=False)
+    serves_normally(llm)
+
+
+def test_a_lone_surrogate_is_a_value_error_and_generate_takes_back_its_prompts():
+    llm = LLM(DEFAULT_MODEL)
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        llm.generate(["It is a truth", "\ud800"], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.stats()["num_free_blocks"] == llm.engine.model_runner.num_blocks - 1
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_generate_leaves_the_engine_idle_whatever_fails_in_a_step(tiny_models, error):
+    llm = LLM(tiny_models["gqa"], block_size=4)
+    run, calls = llm.engine.model_runner.run, []
+
+    def fail_on_the_third_step(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise error
+        return run(*args)
+    llm.engine.model_runner.run = fail_on_the_third_step
+    with pytest.raises(type(error)):
+        llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.stats()["num_free_blocks"] == llm.engine.model_runner.num_blocks - 1
+    assert llm.engine.step().outputs == []  # the aborts were reported by raising, not left for a step
+    serves_normally(llm)
+
+
+def test_generate_returns_when_one_of_its_requests_is_aborted(tiny_models):
+    """Aborted between two of generate's steps (as another part of the program might, through
+    llm.engine): generate returns it with finish_reason "abort" instead of waiting for it forever."""
+    path = tiny_models["gqa"]
+    llm = LLM(path, block_size=4)
+    step, steps = llm.engine.step, []
+
+    def abort_before_the_third_step():
+        steps.append(1)
+        if len(steps) == 3:
+            llm.engine.abort_request("1")
+        return step()
+    llm.engine.step = abort_before_the_third_step
+    outputs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)
+    assert outputs[1].finish_reason == "abort" and 0 < len(outputs[1].token_ids) < MAX_TOKENS[1]
+    assert outputs[1].token_ids == reference(path)[1][:len(outputs[1].token_ids)]
+    assert [o.token_ids for i, o in enumerate(outputs) if i != 1] == [r for i, r in enumerate(reference(path)) if i != 1]
+    assert llm.engine.stats()["num_free_blocks"] == llm.engine.model_runner.num_blocks - 1
 
 
 def test_a_duplicate_request_id_leaves_the_first_request_alone(llm):
@@ -186,20 +266,6 @@ def test_a_duplicate_request_id_leaves_the_first_request_alone(llm):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=math.nan), "temperature"),
-    (dict(top_p=math.nan), "top_p"),
-    (dict(top_k=1.5), "top_k"),
-    (dict(max_tokens=2.5), "max_tokens"),
-    (dict(seed="1"), "seed"),
-    (dict(stop_token_ids=[1.5]), "stop_token_ids"),
-])
-def test_bad_sampling_params_then_a_normal_request(llm, kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        SamplingParams(**kwargs)
-    serves_normally(llm)
-
-
-@pytest.mark.parametrize("kwargs, message", [
     (dict(block_size=0), "block_size"),
     (dict(max_num_seqs=-1), "max_num_seqs"),
     (dict(max_num_batched_tokens=1.5), "max_num_batched_tokens"),
@@ -208,11 +274,25 @@ def test_bad_sampling_params_then_a_normal_request(llm, kwargs, message):
     (dict(dtype="int8"), "dtype"),
     (dict(gpu_memory_utilization=0), "gpu_memory_utilization"),
     (dict(max_model_len=512), "exceeds the model's max_position_embeddings=256"),
+    (dict(block_size=512), "block_size=512 is larger than max_model_len=256"),
+    (dict(device="nope"), "not a device name"),
+    (dict(device=3), "device must be a str"),
+    (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization"),
+    (dict(num_kvcache_blocks=10**12), "GiB for the KV cache, but only"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching"),
 ])
 def test_bad_config_then_a_normal_engine(tiny_models, llm, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(tiny_models["gqa"], **kwargs)
     serves_normally(llm)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_model_and_device_that_cannot_be_had_are_value_errors():
+    with pytest.raises(ValueError, match="model must be a path"):
+        LLM(None)
+    with pytest.raises(ValueError, match="'cuda' is not available"):
+        LLM(DEFAULT_MODEL, device="cuda")
 
 
 def drop_a_tensor(path: str) -> None:  # as in test_llama, but through LLM

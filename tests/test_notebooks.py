@@ -1,36 +1,49 @@
-"""Every notebook in notebooks/ runs top to bottom on a fresh kernel: their asserts (the walkthrough's
-numbers, outputs equal with and without prefix caching or preemption, ...) are tests too."""
+"""The notebooks' source is notebooks/*.py (jupytext percent format); each is paired with a .ipynb
+committed with its outputs, so that it reads well on the web without being run.
+
+Every notebook runs top to bottom on a fresh kernel here: their asserts (the numbers of docs/walkthrough.md,
+outputs equal with and without prefix caching or preemption, ...) are tests too."""
 import os
-import sys
 from pathlib import Path
 
+import jupytext
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-sys.path.insert(0, str(ROOT / "notebooks"))
-import make_notebooks  # noqa: E402
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+SOURCES = sorted(NOTEBOOKS.glob("*.py"))
 
 
-def test_there_are_notebooks():
-    assert [path.name for path in NOTEBOOKS] == sorted(make_notebooks.NOTEBOOKS)
+def test_every_notebook_has_its_source():
+    # Catches a .py renamed or deleted while its old .ipynb stays behind (or the reverse), so that
+    # the web shows a notebook nothing tests any more.
+    assert SOURCES, "no notebooks/*.py found"
+    assert sorted(path.stem for path in NOTEBOOKS.glob("*.ipynb")) == [path.stem for path in SOURCES]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
-def test_notebook_matches_its_generator(path):
-    stored = nbformat.read(path, as_version=4)
-    generated = make_notebooks.NOTEBOOKS[path.name]
-    assert [(c.cell_type, c.source) for c in stored.cells] == [(c.cell_type, c.source) for c in generated.cells], \
-        f"{path.name} differs from notebooks/make_notebooks.py: edit the generator and run it"
+@pytest.mark.parametrize("source", SOURCES, ids=lambda path: path.stem)
+def test_ipynb_matches_its_source(source):
+    # Catches an edit to the .py committed without re-pairing (or an edit made in Jupyter to the
+    # .ipynb only): the notebook people read on the web would show other code than the one tested.
+    stored = nbformat.read(source.with_suffix(".ipynb"), as_version=4)
+    expected = jupytext.read(source)
+    assert [(c.cell_type, c.source) for c in stored.cells] == [(c.cell_type, c.source) for c in expected.cells], \
+        f"{source.with_suffix('.ipynb').name} differs from {source.name}: re-pair and re-execute (see README)"
+    # Catches a .ipynb re-paired but not re-executed: a changed cell would show no output, or the
+    # output of older code.
+    counts = [c.execution_count for c in stored.cells if c.cell_type == "code"]
+    assert counts == list(range(1, len(counts) + 1)), f"{source.with_suffix('.ipynb').name}: re-execute it (see README)"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
-def test_notebook_runs(path, monkeypatch):
-    # The kernel must import this checkout's nanoserve, whatever else is installed.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    notebook = nbformat.read(path, as_version=4)
-    # A kernel that cannot start, or any cell that raises, fails the test: nothing is skipped.
+@pytest.mark.parametrize("source", SOURCES, ids=lambda path: path.stem)
+def test_notebook_runs(source, monkeypatch):
+    # Catches an engine change that breaks a notebook or changes the numbers it asserts. The kernel
+    # must import this checkout's nanoserve, whatever else is installed.
+    root = str(NOTEBOOKS.parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    notebook = jupytext.read(source)
+    # A kernel that cannot start, any cell that raises or any cell slower than the timeout fails
+    # the test: nothing is skipped.
     NotebookClient(notebook, timeout=120, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
+                   resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()

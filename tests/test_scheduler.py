@@ -8,7 +8,7 @@ from nanoserve.sampler import SamplingParams
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus
 
-WALKTHROUGH_PROMPTS = [[1, 2, 3, 4, 5], [1, 6, 5, 7, 8, 9, 10], [1, 12, 13]]
+WALKTHROUGH_PROMPTS = [[1, 2, 3, 4, 5], [1, 6, 5, 7, 8, 9, 10], [1, 12, 13]]  # docs/walkthrough.md
 NEXT_TOKEN = 99  # the fake sampler always answers this
 
 
@@ -170,3 +170,46 @@ def test_every_block_comes_back(scheduling):
         step(sched)
     assert not sched.has_unfinished()
     assert sched.block_manager.num_free_blocks == 19
+
+
+def test_a_chunk_shrinks_to_the_free_blocks_before_anyone_is_preempted():
+    # 6 usable blocks of 4. `short` holds 2 blocks for its whole life (5 + 3 tokens); the 20-token
+    # prompt needs the other 5 blocks but its last 8-token chunk finds only 4 of them free at first.
+    sched = Scheduler(Config(model="unused", block_size=4, max_num_batched_tokens=8), 7, max_model_len=24,
+                      eos_token_ids=set())
+    short = add(sched, [1, 2, 3, 4, 5], max_tokens=4, request_id="short")
+    step(sched)
+    long = add(sched, list(range(10, 30)), max_tokens=2, request_id="long")
+    long_tokens = []
+    while sched.has_unfinished():
+        long_tokens += [n for s, n in step(sched) if s is long]
+    # The bug: the last chunk did not fit, so the newest request, its own, was preempted again and
+    # again, recomputing the prompt from the start each time. Now it runs the 2 tokens that fit.
+    assert sched.num_preemptions == 0 and long_tokens == [7, 7, 2, 4, 1]
+    assert long.output_token_ids == [NEXT_TOKEN] * 2 and short.output_token_ids == [NEXT_TOKEN] * 4
+
+
+def test_a_preempted_request_goes_back_ahead_of_those_already_waiting_and_nothing_joins_that_step():
+    sched = Scheduler(Config(model="unused", block_size=2, max_num_seqs=2), 5, max_model_len=8, eos_token_ids=set())
+    old = add(sched, [1, 2, 3], max_tokens=10, request_id="old")
+    new = add(sched, [4, 5, 6], max_tokens=10, request_id="new")
+    late = add(sched, [7], max_tokens=1, request_id="late")  # waits: two seats only
+    step(sched), step(sched)
+    assert sched.block_manager.num_free_blocks == 0 and list(sched.waiting) == [late]
+    scheduled = step(sched)  # old needs a 3rd block: new is preempted
+    assert list(sched.waiting) == [new, late]  # first come, first served: new arrived before late
+    # A seat and 2 blocks are free now, but a step that preempted admits no one.
+    assert [s for s, _ in scheduled] == [old] and sched.running == [old]
+
+
+def test_num_cached_tokens_counts_prompt_hits_at_first_admission_only():
+    sched = Scheduler(Config(model="unused", block_size=2), 6, max_model_len=10, eos_token_ids=set())
+    add(sched, [1, 2, 3], max_tokens=3, request_id="old")
+    new = add(sched, [4, 5, 6, 7, 8], max_tokens=4, request_id="new")
+    while new.status is not SequenceStatus.WAITING or not new.output_token_ids:
+        step(sched)  # until new is preempted; its full blocks stay in the prefix cache
+    while new.status is SequenceStatus.WAITING:
+        scheduled = sched.schedule()
+        sched.update(scheduled, [NEXT_TOKEN] * sum(s.num_computed_tokens + n == s.num_tokens for s, n in scheduled))
+    assert new.num_computed_tokens - dict((s.request_id, n) for s, n in scheduled)["new"] > 0  # it re-found its blocks...
+    assert new.num_cached_tokens == 0 and sched.num_cached_tokens == 0  # ...which are no prefix-cache hit

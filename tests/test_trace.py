@@ -1,4 +1,5 @@
-"""The walkthrough replayed on a real engine (a tiny random Llama), and the step traces that show it."""
+"""The walkthrough (docs/walkthrough.md) replayed on a real engine (a tiny random Llama), and the
+step traces that show it."""
 import matplotlib
 import pytest
 

@@ -1,0 +1,46 @@
+"""The model runner's start-up choices that depend on the machine: how big the KV cache is, and
+which device and attention backend serve. Portable: nothing here may need Linux-only calls."""
+import os
+from collections import namedtuple
+
+import pytest
+import torch
+
+import nanoserve.model_runner as model_runner
+from nanoserve import LLM
+from nanoserve.attention import select_backend
+from nanoserve.config import CPU_KV_CACHE_FRACTION
+from nanoserve.engine import resolve_device
+
+Memory = namedtuple("Memory", "available total")
+
+
+def test_kv_cache_is_sized_from_available_memory_without_linux_only_calls(tiny_models, monkeypatch):
+    def no_sysconf(name):  # as on macOS, where SC_AVPHYS_PAGES does not exist
+        raise ValueError(f"unrecognized configuration name {name!r}")
+    monkeypatch.setattr(os, "sysconf", no_sysconf)
+    monkeypatch.setattr(model_runner.psutil, "virtual_memory", lambda: Memory(10 * 2**20, 64 * 2**20))
+    llm = LLM(tiny_models["gqa"], block_size=4, max_num_seqs=64)
+    runner = llm.engine.model_runner
+    # tiny model: 2 layers x 2 kv heads x head_dim 16 x 4 slots x k and v x 4 bytes = 2 KiB a block
+    assert runner.bytes_per_block(4) == 2048
+    assert runner.num_blocks == int(CPU_KV_CACHE_FRACTION * 10 * 2**20 // 2048)
+
+
+def test_a_budget_too_small_for_one_request_is_an_error_not_a_cache_over_budget(tiny_models, monkeypatch):
+    monkeypatch.setattr(model_runner.psutil, "virtual_memory", lambda: Memory(100 * 2048, 2**30))
+    # 10% of 100 blocks' worth is 10 blocks: fewer than one 256-token request needs (64 + null block)
+    with pytest.raises(ValueError, match="9 usable blocks of 4 slots"):
+        LLM(tiny_models["gqa"], block_size=4)
+
+
+def test_mps_is_a_device_that_runs_the_torch_backend(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    device = resolve_device("mps")
+    assert device.type == "mps"
+    assert select_backend("auto", device, 16, torch.float32) == "torch"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_backend("flash", device, 256, torch.bfloat16)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="'mps' is not available"):
+        resolve_device("mps")
