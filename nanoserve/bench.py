@@ -86,6 +86,11 @@ def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tup
             for _ in range(num_requests)]
 
 
+def whole_blocks(num_tokens: int, block_size: int) -> int:
+    """`num_tokens` rounded up to whole KV blocks (the engine wants max_model_len >= block_size)."""
+    return -(-num_tokens // block_size) * block_size
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q / 100 * len(values)))] if values else float("nan")
@@ -378,7 +383,8 @@ def main(argv: list[str] | None = None) -> None:
     workload = make_workload(args.num_requests, span(args.input_len), span(args.output_len), vocab, args.seed)
     config = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   num_kvcache_blocks=args.kv_cache_tokens // args.block_size + 1,  # + the null block
-                  max_model_len=max(len(r.prompt) + r.output_len for r in workload), dtype=args.dtype)
+                  max_model_len=whole_blocks(max(len(r.prompt) + r.output_len for r in workload), args.block_size),
+                  dtype=args.dtype)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}; {len(workload)} requests, "
           f"{sum(len(r.prompt) for r in workload)} prompt + {sum(r.output_len for r in workload)} output tokens")
     if args.profile_decode:
