@@ -3,8 +3,10 @@ batching), side by side in one process, on one workload. Ratios, not absolute nu
 point: every engine runs on the same machine in the same run.
 
     python -m nanoserve.bench                       # the default ~40M-parameter random Llama, 48 requests
+    python -m nanoserve.bench --dtype bfloat16      # every engine in bfloat16
     python -m nanoserve.bench --engines nanoserve,static --num-requests 16
     python -m nanoserve.bench --online --rates 2,4,8     # Poisson arrivals: TTFT/TPOT vs request rate
+    python -m nanoserve.bench --profile-decode 48        # where one decode step of 48 requests spends its time
 """
 from __future__ import annotations
 
@@ -31,6 +33,20 @@ class Request:
 
 
 @dataclass
+class Step:
+    """One engine step as the roofline sees it."""
+    seconds: float
+    query_lens: list[int]   # tokens each request runs this step
+    seq_lens: list[int]     # each request's context after this step
+    num_sampled: int        # rows that go through lm_head
+
+    @property
+    def phase(self) -> str:
+        decode = sum(n == 1 for n in self.query_lens)
+        return "decode" if decode == len(self.query_lens) else "prefill" if decode == 0 else "mixed"
+
+
+@dataclass
 class Result:
     engine: str
     seconds: float
@@ -42,6 +58,7 @@ class Result:
     peak_kv_allocated: int | None = None  # KV slots held by requests (allocated blocks), at the peak
     kv_total: int | None = None
     extra: dict = field(default_factory=dict)
+    steps: list[Step] = field(default_factory=list)  # nanoserve's steps, for the roofline
 
     @property
     def output_tok_s(self) -> float:
@@ -69,6 +86,11 @@ def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tup
             for _ in range(num_requests)]
 
 
+def whole_blocks(num_tokens: int, block_size: int) -> int:
+    """`num_tokens` rounded up to whole KV blocks (the engine wants max_model_len >= block_size)."""
+    return -(-num_tokens // block_size) * block_size
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q / 100 * len(values)))] if values else float("nan")
@@ -85,10 +107,14 @@ def run_nanoserve(path: str, workload: list[Request], scheduling: str, **config)
     start = time.perf_counter()
     for r in workload:
         engine.add_request(r.prompt, SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
-    outputs, peak_used, peak_alloc, steps = [], 0, 0, 0
+    outputs, peak_used, peak_alloc, steps = [], 0, 0, []
     while engine.has_unfinished_requests():
+        step_start = time.perf_counter()
         result = engine.step()
-        steps += 1
+        if result.batch is not None:
+            q_starts = result.batch.query_start_loc.tolist()
+            steps.append(Step(time.perf_counter() - step_start, [e - s for s, e in zip(q_starts, q_starts[1:])],
+                              result.batch.seq_lens.tolist(), result.batch.logits_indices.numel()))
         outputs += result.outputs
         running = engine.scheduler.running
         peak_used = max(peak_used, sum(s.num_computed_tokens for s in running))
@@ -97,20 +123,20 @@ def run_nanoserve(path: str, workload: list[Request], scheduling: str, **config)
     return Result(scheduling if scheduling == "static" else "nanoserve", seconds,
                   sum(len(o.token_ids) for o in outputs), sum(len(r.prompt) for r in workload),
                   [o.ttft for o in outputs], [(o.latency - o.ttft) / max(1, len(o.token_ids) - 1) for o in outputs],
-                  peak_used, peak_alloc, total * block_size, {"steps": steps})
+                  peak_used, peak_alloc, total * block_size, {"steps": len(steps)}, steps)
 
 
-def load_hf(path: str):
+def load_hf(path: str, dtype: str):
     from transformers import LlamaForCausalLM
-    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return LlamaForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
 
 
 @torch.inference_mode()
-def run_hf_generate(path: str, workload: list[Request]) -> Result:
+def run_hf_generate(path: str, workload: list[Request], dtype: str) -> Result:
     """transformers' `generate` on one left-padded static batch: every request runs until the
     longest one is done (min_new_tokens = max_new_tokens: EOS ignored, as for the others)."""
     from transformers import LogitsProcessor, LogitsProcessorList
-    model = load_hf(path)
+    model = load_hf(path, dtype)
     stamps: list[float] = []
 
     class Clock(LogitsProcessor):  # called once per generated token position: a step clock
@@ -135,10 +161,10 @@ def run_hf_generate(path: str, workload: list[Request]) -> Result:
 
 
 @torch.inference_mode()
-def run_hf_continuous(path: str, workload: list[Request]) -> Result:
+def run_hf_continuous(path: str, workload: list[Request], dtype: str) -> Result:
     """transformers' continuous batching manager, each request with its own max_new_tokens."""
     from transformers import GenerationConfig
-    model = load_hf(path)
+    model = load_hf(path, dtype)
     config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(r.output_len for r in workload))
     with model.continuous_batching_context_manager(generation_config=config) as manager:
         start = time.perf_counter()
@@ -159,36 +185,73 @@ def run_hf_continuous(path: str, workload: list[Request]) -> Result:
 
 # ------------------------------------------------------------------------------------ roofline
 
-def measure_gemm_flops(size: int = 1024, repeats: int = 20) -> float:
-    """This machine's float32 matmul rate (FLOP/s), from a square GEMM."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    start = time.perf_counter()
+@dataclass(frozen=True)
+class Machine:
+    """The two limits, measured in the run's dtype: GEMM rate π (FLOP/s) and stream bandwidth β (bytes/s)."""
+    flops: float
+    bandwidth: float
+
+
+def best_seconds(fn, repeats: int) -> float:
+    fn()
+    times = []
     for _ in range(repeats):
-        a @ b
-    return 2 * size ** 3 * repeats / (time.perf_counter() - start)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)  # the machine's rate, not the neighbours' load: the best of a few
 
 
-def workload_flops(path: str, workload: list[Request]) -> float:
-    """Matmul FLOPs the workload needs at least: the linear layers for every prompt and output
-    token, attention (QK^T and PV) over each token's context, lm_head once per output token."""
-    from transformers import AutoConfig
-    c = AutoConfig.from_pretrained(path)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    linear = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    flops = 0.0
-    for r in workload:
-        tokens = len(r.prompt) + r.output_len - 1           # the last sampled token is never run
-        context = tokens * (tokens + 1) / 2                  # sum of context lengths over its tokens
-        flops += 2 * c.num_hidden_layers * (linear * tokens + 2 * q * context)
-        flops += 2 * c.hidden_size * c.vocab_size * r.output_len
-    return flops
+def measure_machine(dtype: torch.dtype, size: int = 1024, stream_mb: int = 256) -> Machine:
+    """π from a square GEMM, β from copying a tensor far larger than the caches (read + write)."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    src = torch.empty(stream_mb * 2 ** 20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    return Machine(flops=2 * size ** 3 / best_seconds(lambda: a @ b, 20),
+                   bandwidth=2 * src.numel() / best_seconds(lambda: dst.copy_(src), 5))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a step's FLOPs and bytes depend on, from config.json."""
+    layers: int
+    hidden: int
+    q_size: int       # heads * head_dim
+    kv_size: int      # kv heads * head_dim
+    intermediate: int
+    vocab: int
+    itemsize: int     # bytes per weight and KV element in the run's dtype
+
+    @classmethod
+    def read(cls, path: str, dtype: torch.dtype) -> ModelShape:
+        from transformers import AutoConfig
+        c = AutoConfig.from_pretrained(path)
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return cls(c.num_hidden_layers, c.hidden_size, c.num_attention_heads * head_dim,
+                   c.num_key_value_heads * head_dim, c.intermediate_size, c.vocab_size, dtype.itemsize)
+
+    @property
+    def layer_params(self) -> int:  # qkv, o, gate_up, down
+        return self.hidden * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden + 3 * self.hidden * self.intermediate
+
+
+def step_limit(step: Step, m: ModelShape, machine: Machine) -> tuple[float, bool]:
+    """The step's roofline time max(FLOPs / π, bytes / β), and whether FLOPs are the bound.
+    FLOPs: linear layers for every token, q·Kᵀ and P·V over each query's visible keys, lm_head per
+    sampled row. Bytes: the layers' weights and lm_head read once, KV read and KV written."""
+    tokens = sum(step.query_lens)
+    # a request with q queries over k keys (causal, its queries last): q*k - q*(q-1)/2 query-key pairs
+    pairs = sum(q * k - q * (q - 1) // 2 for q, k in zip(step.query_lens, step.seq_lens))
+    flops = 2 * m.layers * (m.layer_params * tokens + 2 * m.q_size * pairs) + 2 * m.hidden * m.vocab * step.num_sampled
+    weights = m.layers * m.layer_params + (m.hidden * m.vocab if step.num_sampled else 0)
+    kv = 2 * m.layers * m.kv_size * (sum(step.seq_lens) + tokens)  # read every context, write the new tokens
+    compute, memory = flops / machine.flops, (weights + kv) * m.itemsize / machine.bandwidth
+    return max(compute, memory), compute >= memory
 
 
 # ------------------------------------------------------------------------------------ reporting
 
-def report(results: list[Result], roofline_seconds: float, gemm: float) -> str:
+def report(results: list[Result], machine: Machine, shape: ModelShape) -> str:
     lines = ["| engine | output tok/s | total tok/s | TTFT p50 / p99 (s) | TPOT (ms) | peak KV used / allocated (slots) "
              "| nanoserve ÷ this |", "|---|---|---|---|---|---|---|"]
     ours = next((r for r in results if r.engine == "nanoserve"), None)
@@ -197,10 +260,25 @@ def report(results: list[Result], roofline_seconds: float, gemm: float) -> str:
         ratio = f"{ours.output_tok_s / r.output_tok_s:.2f}x" if ours else "n/a"
         lines.append(f"| {r.engine} | {r.output_tok_s:.0f} | {r.total_tok_s:.0f} | {percentile(r.ttft, 50):.2f} / "
                      f"{percentile(r.ttft, 99):.2f} | {1000 * statistics.mean(r.tpot):.1f} | {kv} | {ratio} |")
-    lines.append(f"\nmeasured GEMM rate {gemm / 1e9:.0f} GFLOP/s; the workload's matmuls at that rate take "
-                 f"{roofline_seconds:.2f} s (roofline)")
+    # The roofline is taken over the steps nanoserve (continuous, else static) ran: the same useful work for all
+    scheduled = next((r for r in results if r.steps), None)
+    if scheduled is None:
+        return "\n".join(lines)
+    limits = [step_limit(step, shape, machine) for step in scheduled.steps]
+    roofline = sum(t for t, _ in limits)
+    lines.append(f"\nmeasured GEMM π {machine.flops / 1e9:.0f} GFLOP/s, copy β {machine.bandwidth / 1e9:.1f} GB/s; "
+                 f"{scheduled.engine}'s {len(limits)} steps at max(FLOPs/π, bytes/β) each take {roofline:.2f} s "
+                 f"(roofline; {sum(c for _, c in limits)} steps compute-bound)")
     for r in results:
-        lines.append(f"- {r.engine}: {r.seconds:.2f} s, {100 * roofline_seconds / r.seconds:.0f}% of the roofline")
+        lines.append(f"- {r.engine}: {r.seconds:.2f} s, {100 * roofline / r.seconds:.0f}% of the roofline")
+    lines += [f"\n{scheduled.engine} by phase:", "| phase | steps | seconds | share of time | roofline (s) | % of roofline |",
+              "|---|---|---|---|---|---|"]
+    for phase in ("prefill", "mixed", "decode"):
+        steps = [(s, limit) for s, (limit, _) in zip(scheduled.steps, limits) if s.phase == phase]
+        seconds, limit = sum(s.seconds for s, _ in steps), sum(limit for _, limit in steps)
+        share = 100 * seconds / sum(s.seconds for s in scheduled.steps)
+        lines.append(f"| {phase} | {len(steps)} | {seconds:.2f} | {share:.0f}% | {limit:.2f} | "
+                     f"{100 * limit / seconds if seconds else 0:.0f}% |")
     return "\n".join(lines)
 
 
@@ -238,6 +316,44 @@ def run_online(path: str, workload: list[Request], rates: list[float], seed: int
     return "\n".join(lines)
 
 
+def profile_decode(path: str, num_requests: int, vocab_size: int, config: dict) -> str:
+    """Where one decode step's time goes: `num_requests` requests past their prompts (100-200
+    tokens each). Attention (writing K/V, gathering blocks, SDPA) is timed around every Attention
+    module over 5 steps (the median step is reported); op shares come from torch.profiler on one more."""
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.attention import Attention
+    config = config | dict(num_kvcache_blocks=num_requests * 18 + 1, max_model_len=None)  # room for all
+    engine = LLM(path, enable_prefix_caching=False, **config).engine
+    rng = random.Random(0)
+    for _ in range(num_requests):
+        engine.add_request([rng.randrange(3, vocab_size) for _ in range(rng.randint(100, 200))],
+                           SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    while engine.step().num_prefill_tokens:  # until every request decodes
+        pass
+    attention: list[float] = []
+    for module in engine.model_runner.model.modules():
+        if isinstance(module, Attention):
+            module.register_forward_pre_hook(lambda *_: attention.append(-time.perf_counter()))
+            module.register_forward_hook(lambda *_: attention.append(attention.pop() + time.perf_counter()))
+    steps = []
+    for _ in range(5):
+        attention.clear()
+        start = time.perf_counter()
+        engine.step()
+        steps.append((time.perf_counter() - start, sum(attention)))
+    step, attend = sorted(steps)[2]
+    with torch.profiler.profile() as prof:
+        engine.step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    share = lambda *names: 100 * sum(e.self_cpu_time_total for e in events if e.key in names) / total  # noqa: E731
+    return ("| dtype | requests | step (ms) | attention | matmuls | SDPA | index_select (KV gather) |\n"
+            "|---|---|---|---|---|---|---|\n"
+            f"| {config['dtype']} | {num_requests} | {1000 * step:.1f} | {100 * attend / step:.0f}% | "
+            f"{share('aten::mm', 'aten::addmm'):.0f}% | {share('aten::_scaled_dot_product_flash_attention_for_cpu'):.0f}% | "
+            f"{share('aten::index_select'):.0f}% |")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Llama checkpoint folder (default: a random ~40M Llama, built once)")
@@ -250,10 +366,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-tokens", type=int, default=8192,
                    help="nanoserve's KV cache size for both schedulers: the memory a static batch must reserve")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="every engine's dtype")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--online", action="store_true", help="Poisson arrivals to nanoserve continuous and static")
     p.add_argument("--rates", default="1,2,4,8", help="with --online: request rates (req/s)")
+    p.add_argument("--profile-decode", type=int, metavar="N", help="profile one decode step of N requests instead")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
     if args.threads:
@@ -265,28 +383,32 @@ def main(argv: list[str] | None = None) -> None:
     workload = make_workload(args.num_requests, span(args.input_len), span(args.output_len), vocab, args.seed)
     config = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   num_kvcache_blocks=args.kv_cache_tokens // args.block_size + 1,  # + the null block
-                  max_model_len=max(len(r.prompt) + r.output_len for r in workload))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(workload)} requests, "
+                  max_model_len=whole_blocks(max(len(r.prompt) + r.output_len for r in workload), args.block_size),
+                  dtype=args.dtype)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}; {len(workload)} requests, "
           f"{sum(len(r.prompt) for r in workload)} prompt + {sum(r.output_len for r in workload)} output tokens")
+    if args.profile_decode:
+        print(profile_decode(path, args.profile_decode, vocab, config))
+        return
     if args.online:
         print(run_online(path, workload, [float(r) for r in args.rates.split(",")], args.seed, config))
         return
-    gemm = measure_gemm_flops()
+    dtype = getattr(torch, args.dtype)
+    machine, shape = measure_machine(dtype), ModelShape.read(path, dtype)
     runners = {"nanoserve": lambda: run_nanoserve(path, workload, "continuous", **config),
                "static": lambda: run_nanoserve(path, workload, "static", **config),
-               "hf-generate": lambda: run_hf_generate(path, workload),
-               "hf-cb": lambda: run_hf_continuous(path, workload)}
+               "hf-generate": lambda: run_hf_generate(path, workload, args.dtype),
+               "hf-cb": lambda: run_hf_continuous(path, workload, args.dtype)}
     results = []
     for name in args.engines.split(","):
         if name not in runners:
             raise SystemExit(f"unknown engine {name!r}; choose from {ENGINES}")
         results.append(runners[name]())
         print(f"{name}: {results[-1].seconds:.2f} s", flush=True)
-    roofline = workload_flops(path, workload) / gemm
-    print(report(results, roofline, gemm))
+    print(report(results, machine, shape))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gemm_flops": gemm, "roofline_seconds": roofline, "results": [asdict(r) for r in results]}, f)
+            json.dump({"dtype": args.dtype, "machine": asdict(machine), "results": [asdict(r) for r in results]}, f)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,11 @@ Planning (scheduler, block_manager) never touches tensors; here a plan, flattene
 """
 from __future__ import annotations
 
+import json
+import re
+import warnings
+from pathlib import Path
+
 import psutil
 import torch
 
@@ -21,7 +26,7 @@ class ModelRunner:
 
     def __init__(self, config: Config, device: torch.device, max_model_len: int) -> None:
         self.device = device
-        self.dtype = resolve_dtype(config.dtype, device)
+        self.dtype = resolve_dtype(config.dtype, device, config.model)
         self.backend = select_backend(config.attention_backend, device, config.block_size, self.dtype)
         self.model = load_model(config.model, self.dtype, device, self.backend)
         self.num_blocks = config.num_kvcache_blocks or self.size_kv_cache(config, max_model_len)
@@ -68,9 +73,22 @@ class ModelRunner:
         return sample(logits, [s.params for s in seqs], [s.num_tokens - s.num_prompt_tokens for s in seqs])
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Config's dtype name -> torch dtype. "auto" is float32 on CPU, the precision the tests hold
-    token for token against transformers, and bfloat16 on CUDA, which flash-attn needs."""
+def resolve_dtype(name: str, device: torch.device, model: str | None = None,
+                  cpuinfo: str = "/proc/cpuinfo") -> torch.dtype:
+    """Config's dtype name -> torch dtype. "auto" follows the checkpoint, as transformers and vLLM do:
+    the `dtype` (or older `torch_dtype`) in `model`'s config.json, float32 where it names none; on
+    CUDA float32 becomes bfloat16, which flash-attn needs. bfloat16 runs on any CPU, but without
+    native bf16 matmuls (x86 AVX512-BF16 or AMX, Arm BF16: flags in `cpuinfo`) it is slow: a warning says so."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+        config_file = Path(model or "", "config.json")
+        saved = json.loads(config_file.read_text()) if model and config_file.is_file() else {}
+        dtype = getattr(torch, saved.get("dtype") or saved.get("torch_dtype") or "float32")
+        if device.type == "cuda" and dtype == torch.float32:
+            dtype = torch.bfloat16
+    else:
+        dtype = getattr(torch, name)
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        flags = Path(cpuinfo).read_text() if Path(cpuinfo).is_file() else ""
+        if not re.search(r"\b(avx512_bf16|amx_bf16|bf16)\b", flags):
+            warnings.warn("this CPU has no native bfloat16 matmuls: bfloat16 will be slow; float32 is faster here")
+    return dtype

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from nanoserve import attention
-from nanoserve.attention import (Attention, flash_attn_varlen_func,
-                                 flash_attn_with_kvcache, select_backend, store_kvcache)
+from nanoserve.attention import (Attention, attend_each_request, flash_attn_varlen_func, flash_attn_with_kvcache,
+                                 paged_attention, plan_attention, plan_for_batch, select_backend, store_kvcache)
 from nanoserve.batch import Batch
 
 H, HKV, D = 4, 2, 8  # grouped-query attention: query heads 0,1 read kv head 0, heads 2,3 kv head 1
@@ -119,6 +119,80 @@ def test_with_kvcache_appends_new_tokens_then_attends():
         assert_close(out[b], reference(q[b], torch.cat([keys[b][:n], k[b]]), torch.cat([values[b][:n], v[b]])))
 
 
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows, num_groups", [(5, 1), (20, 3), (50, 7)])
+def test_decode_length_groups_match_plain_reference(num_rows: int, num_groups: int, dtype: torch.dtype):
+    # contexts of 1..70 tokens in random order: each length group is padded to its own longest,
+    # so a group cut to the wrong length drops keys of some row
+    rng = random.Random(num_rows)
+    k_lens = [rng.randint(1, 70) for _ in range(num_rows)]
+    k_cache, v_cache, block_tables, keys, values = paged_cache(k_lens, block_size=4, seed=num_rows)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    q = torch.randn(num_rows, 1, H, D, dtype=dtype)
+    plan = plan_attention([1] * num_rows, k_lens, block_tables, 4, True, dtype)
+    assert len(plan.decode_groups) == num_groups and not plan.prefill_requests
+    assert sorted(torch.cat([g.rows for g in plan.decode_groups]).tolist()) == list(range(num_rows))
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(k_lens, dtype=torch.int32),
+                                  block_table=block_tables, causal=True)
+    expected = attend_each_request(q[:, 0], k_cache, v_cache, [1] * num_rows, k_lens, block_tables, True, D ** -0.5)
+    torch.testing.assert_close(out[:, 0].float(), expected.float(), **TOLERANCE[dtype])
+    if dtype == torch.float32:
+        for b in range(num_rows):
+            assert_close(out[b], reference(q[b], keys[b], values[b]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_prefill_and_decode_match_plain_reference(dtype: torch.dtype):
+    # 19 decode rows (three length groups) between a full prompt, a prompt chunk, a request with more
+    # queries than keys (its first queries see nothing) and one with no key at all
+    rng = random.Random(7)
+    q_lens = [9, 1, 1, 5, 1, 6, 3] + [1] * 16
+    k_lens = [9, 40, 3, 30, 17, 4, 0] + [rng.randint(1, 60) for _ in range(16)]
+    k_cache, v_cache, block_tables, keys, values = paged_cache(k_lens, block_size=8, seed=7)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    q = torch.randn(sum(q_lens), H, D, dtype=dtype)
+    cu_q, cu_k = cumsum0(q_lens), cumsum0(k_lens)
+    out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens),
+                                 causal=True, block_table=block_tables)
+    plan = plan_attention(q_lens, k_lens, block_tables, 8, True, dtype)
+    assert len(plan.decode_groups) == 3 and len(plan.prefill_requests) == 3  # the one without keys: nowhere
+    expected = attend_each_request(q, k_cache, v_cache, q_lens, k_lens, block_tables, True, D ** -0.5)
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
+    assert torch.equal(out[cu_q[5]:cu_q[5] + 2], torch.zeros(2, H, D, dtype=dtype))  # 6 queries, 4 keys
+    assert torch.equal(out[cu_q[6]:cu_q[7]], torch.zeros(3, H, D, dtype=dtype))      # no key at all
+    if dtype == torch.float32:
+        for b in range(len(q_lens)):
+            assert_close(out[cu_q[b]:cu_q[b + 1]], reference(q[cu_q[b]:cu_q[b + 1]], keys[b], values[b]))
+
+
+def test_varlen_not_causal_every_query_sees_every_key():
+    # more queries than keys: causal would leave the first queries without a key, non-causal must not
+    torch.manual_seed(9)
+    q_lens, k_lens = [5, 1, 3], [2, 4, 3]
+    q = torch.randn(sum(q_lens), H, D)
+    k, v = torch.randn(sum(k_lens), HKV, D), torch.randn(sum(k_lens), HKV, D)
+    cu_q, cu_k = cumsum0(q_lens), cumsum0(k_lens)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=False)
+    for b in range(len(q_lens)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        assert_close(out[qs], reference(q[qs], k[ks], v[ks], causal=False))
+
+
+def test_paged_attention_follows_one_plan_for_every_layer():
+    # the plan holds no layer's data: two layers' caches (same blocks, other contents) under one plan
+    torch.manual_seed(8)
+    q_lens, k_lens = [1, 4, 1], [12, 6, 3]
+    layers = [paged_cache(k_lens, block_size=4, seed=8) for _ in range(2)]
+    plan = plan_attention(q_lens, k_lens, layers[0][2], 4, True, torch.float32)
+    q = torch.randn(sum(q_lens), H, D)
+    for k_cache, v_cache, block_tables, _, _ in layers:
+        expected = attend_each_request(q, k_cache, v_cache, q_lens, k_lens, block_tables, True, 0.5)
+        torch.testing.assert_close(paged_attention(q, k_cache, v_cache, plan, 0.5), expected)
+
+
 def test_store_kvcache_writes_only_named_slots():
     k_cache, v_cache = torch.zeros(4, 4, HKV, D), torch.zeros(4, 4, HKV, D)
     slot_mapping = torch.tensor([5, 14, 3], dtype=torch.int64)
@@ -209,13 +283,12 @@ def test_attention_module_walkthrough():
     assert k_cache[0].abs().sum() == 0  # the null block is never written
 
     decode = walkthrough_decode_batch()
-    calls = []
-    with_kvcache = attention.with_kvcache
-    attention.with_kvcache = lambda *args, **kwargs: calls.append(1) or with_kvcache(*args, **kwargs)
     q2, k2, v2 = torch.randn(3, H, D), torch.randn(3, HKV, D), torch.randn(3, HKV, D)
     out2 = attention(q2, k2, v2, k_cache, v_cache, decode)
-    assert calls == [1], "a decode-only batch must take the flash_attn_with_kvcache path"
     assert out2.shape == (3, H, D)
+    # the model builds the plan once per step and hands it to every layer: the same result
+    plan = plan_for_batch(decode, block_size=4, dtype=torch.float32)
+    assert torch.equal(attention(q2, k2, v2, k_cache, v_cache, decode, plan), out2)
     for b, (s, e) in enumerate([(0, 5), (5, 12), (12, 15)]):
         keys, values = torch.cat([k[s:e], k2[b:b + 1]]), torch.cat([v[s:e], v2[b:b + 1]])
         assert_close(out2[b:b + 1], reference(q2[b:b + 1], keys, values))

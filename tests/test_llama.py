@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from transformers import GPT2Config, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from nanoserve.batch import Batch
+from nanoserve.model_runner import resolve_dtype
 from nanoserve.models.llama import load_model
 
 BLOCK_SIZE = 4
@@ -214,3 +216,37 @@ def test_wrong_shape(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' has shape "
                                          r"\[16, 64\], expected \[32, 64\]"):
         load(tmp_path)
+
+
+def write_config(folder: Path, **fields: object) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", **fields}))
+    return str(folder)
+
+
+def test_auto_dtype_follows_the_checkpoint(tmp_path):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # only resolved here, nothing runs on CUDA
+    fp32 = write_config(tmp_path / "fp32", dtype="float32")
+    bf16 = write_config(tmp_path / "bf16", dtype="bfloat16")
+    old_name = write_config(tmp_path / "old", torch_dtype="bfloat16")  # transformers before v5
+    unnamed = write_config(tmp_path / "none")
+    assert resolve_dtype("auto", cpu, fp32) == torch.float32  # a float32 checkpoint stays float32 on CPU
+    assert resolve_dtype("auto", cpu, bf16) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, old_name) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, unnamed) == torch.float32
+    assert resolve_dtype("auto", cuda, fp32) == torch.bfloat16  # flash-attn needs 16 bits
+    assert resolve_dtype("auto", cuda, unnamed) == torch.bfloat16
+    assert resolve_dtype("float32", cpu, bf16) == torch.float32  # a name given wins
+
+
+def test_bfloat16_on_a_cpu_without_native_bf16_warns(tmp_path):
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\n")
+    with pytest.warns(UserWarning, match="slow"):
+        resolve_dtype("bfloat16", torch.device("cpu"), cpuinfo=str(avx2))
+    native = tmp_path / "native"
+    native.write_text("flags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_dtype("bfloat16", torch.device("cpu"), cpuinfo=str(native)) == torch.bfloat16
+        assert resolve_dtype("float32", torch.device("cpu"), cpuinfo=str(avx2)) == torch.float32
