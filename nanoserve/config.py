@@ -23,7 +23,7 @@ class Config:
     max_num_batched_tokens: int = 2048        # tokens per step: prefill chunks + decodes
     max_model_len: int | None = None          # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    dtype: str = "auto"                       # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"                       # auto: the checkpoint's (float32 -> bfloat16 on CUDA)
     device: str | None = None                 # None: cuda if available, else cpu; or "mps" (Apple)
     attention_backend: str = "auto"           # "auto" | "flash" | "torch"
     scheduling: str = "continuous"            # "continuous" | "static" (the baseline)

@@ -41,9 +41,9 @@ import time
 
 import matplotlib.pyplot as plt
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.bench import build_default_model
 
 # One core: the measurements stay steady on a shared or busy machine. More cores raise both roofs.
 torch.set_num_threads(1)
@@ -52,15 +52,13 @@ torch.set_num_threads(1)
 # ## The model
 #
 # The roofline needs weights larger than the CPU's caches, or "memory" bandwidth would really be
-# cache bandwidth. The bundled tiny model fits in a large L3 cache, so this notebook builds a
-# random Llama of about 32M parameters (~130 MB in float32). Random weights are fine: speed does
-# not depend on their values.
+# cache bandwidth. The bundled tiny model fits in a large L3 cache, so this notebook builds the
+# benchmark's random Llama (`python -m nanoserve.bench`'s default: about 40M parameters, ~170 MB in
+# float32), so that its numbers and the README's benchmark tables describe the same model. Random
+# weights are fine: speed does not depend on their values.
 
 # %%
-torch.manual_seed(0)
-MODEL = tempfile.mkdtemp()
-LlamaForCausalLM(LlamaConfig(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                             intermediate_size=1408, vocab_size=8192, max_position_embeddings=1024)).save_pretrained(MODEL)
+MODEL = build_default_model(tempfile.mkdtemp())
 engine = LLM(MODEL, block_size=16, max_num_seqs=256, max_num_batched_tokens=4096, num_kvcache_blocks=600,
              max_model_len=512, enable_prefix_caching=False).engine
 model = engine.model_runner.model
