@@ -63,8 +63,10 @@ def convert(gguf_dir: str, out_dir: str) -> None:
     config = gguf_model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         config.pop(key, None)
-    model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.float32)
-    model.load_state_dict(gguf_model.state_dict())
+    with torch.device("meta"):  # no random init of weights that are replaced at once
+        model = LlamaForCausalLM(LlamaConfig(**config))
+    model.load_state_dict(gguf_model.state_dict(), assign=True)
+    model.tie_weights()  # lm_head is embed_tokens again, so it is saved once
     model.generation_config = gguf_model.generation_config
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == config["eos_token_id"]
     assert tokenizer.chat_template, "the GGUF should carry the chat template"
