@@ -81,6 +81,9 @@ def test_batched_chats_match_transformers(llm, smollm2, prompts) -> None:
     assert {o.finish_reason for o in outputs} == {"stop", "length"}  # both ways of ending are compared
 
 
-def test_knows_the_capital_of_france(llm, prompts) -> None:
-    [out] = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+def test_knows_the_capital_of_france_through_chat(llm, prompts) -> None:
+    # LLM.chat formats with the model's own template and adds no second set of special tokens.
+    [out] = llm.chat([{"role": "user", "content": QUESTIONS[0]}], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                     use_tqdm=False)
+    assert out.prompt_token_ids == prompts[0]
     assert "Paris" in out.text, out.text
