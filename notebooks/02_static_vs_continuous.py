@@ -24,7 +24,7 @@
 # Both runs use the same engine, model and `max_num_seqs`; only `scheduling` differs:
 #
 # - `"static"`: a batch of up to `max_num_seqs` requests is admitted only when the previous batch has
-#   completely finished, and each request reserves KV for its prompt plus `max_tokens` up front.
+#   completely finished, and each request reserves KV for its prompt plus `max_tokens - 1` tokens up front.
 # - `"continuous"`: every step, finished requests leave and waiting ones join; KV blocks are taken
 #   one at a time as requests grow.
 
