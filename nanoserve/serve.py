@@ -8,7 +8,7 @@ loop's thread-safe inbox and read their request's own asyncio queue. Between two
 drains the inbox (add_request, abort_request), steps, and hands each RequestDelta and final
 RequestOutput to its request's queue through `call_soon_threadsafe`; idle, it blocks on the inbox.
 A request's queue receives, in order: `Accepted()` or the ValueError that add_request raised
-(-> 400), then its deltas, then its RequestOutput. A client that goes away mid-stream closes its
+(-> 400), then its deltas, then its RequestOutput (or a RuntimeError if a step failed: -> 500). A client that goes away mid-stream closes its
 response's generator, which sends an abort: its blocks are free again after the next step.
 """
 from __future__ import annotations
@@ -90,7 +90,10 @@ class EngineLoop:
                     return
                 self.abort(item) if isinstance(item, str) else self.add(item)
             if self.engine.has_unfinished_requests():
-                self.step()
+                try:
+                    self.step()
+                except Exception as error:  # a bug in the engine: fail its requests rather than hang them
+                    self.fail_all(RuntimeError(f"the engine failed: {error!r}"))
             else:  # an abort may have emptied the engine: show its blocks free now
                 self.update_gauges()
 
@@ -129,6 +132,11 @@ class EngineLoop:
             self.send(output.request_id, output)
             self.queues.pop(output.request_id, None)
         self.update_gauges()
+
+    def fail_all(self, error: RuntimeError) -> None:
+        for request_id, sub in list(self.queues.items()):
+            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, error)
+            self.abort(request_id)
 
     def send(self, request_id: str, item: RequestDelta | RequestOutput) -> None:
         sub = self.queues.get(request_id)
@@ -257,6 +265,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         try:
             while not finished:
                 item = await items.get()
+                if isinstance(item, RuntimeError):  # from fail_all
+                    raise APIError(str(item), status=500, code="engine_error")
                 finished = isinstance(item, RequestOutput)
                 yield item
         finally:

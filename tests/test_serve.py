@@ -187,3 +187,14 @@ def test_metrics_count_tokens(server, client):
     assert after["vllm:time_to_first_token_seconds_count"] > before["vllm:time_to_first_token_seconds_count"]
     assert after["vllm:time_per_output_token_seconds_count"] - before["vllm:time_per_output_token_seconds_count"] == 4
     assert {"vllm:num_requests_waiting", "vllm:num_preemptions_total"} <= set(after)
+
+
+# Catches: an error inside step() killing the engine loop, so that every later request hangs.
+def test_engine_error_is_a_500_then_serving_goes_on(server, monkeypatch):
+    engine = server.server.config.app.state.engine_loop.engine
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: monkeypatch.setattr(engine, "step", step) or 1 / 0)  # fails once
+    reply = post(server, "/v1/completions", dict(model=NAME, prompt="Hi", max_tokens=2))
+    assert reply.status_code == 500 and "ZeroDivisionError" in reply.json()["error"]["message"]
+    assert post(server, "/v1/completions", dict(model=NAME, prompt="Hi", max_tokens=2)).status_code == 200
+    assert wait_for_free_blocks(server)["nanoserve:num_free_blocks"] == 24
