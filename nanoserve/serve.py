@@ -8,8 +8,9 @@ loop's thread-safe inbox and read their request's own asyncio queue. Between two
 drains the inbox (add_request, abort_request), steps, and hands each RequestDelta and final
 RequestOutput to its request's queue through `call_soon_threadsafe`; idle, it blocks on the inbox.
 A request's queue receives, in order: `Accepted()` or the ValueError that add_request raised
-(-> 400), then its deltas, then its RequestOutput (or a RuntimeError if a step failed: -> 500). A client that goes away mid-stream closes its
-response's generator, which sends an abort: its blocks are free again after the next step.
+(-> 400), then its deltas, then its RequestOutput (or a RuntimeError if a step failed: -> 500).
+A client that goes away mid-stream closes its response's generator, which sends an abort: its
+blocks are free again before the next step.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -229,7 +230,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     async def check_api_key(request: Request, call_next):
         if api_key is not None and request.url.path != "/health" \
                 and request.headers.get("authorization") != f"Bearer {api_key}":
-            return error_response("missing or wrong API key (Authorization: Bearer ...)", status=401, code="invalid_api_key")
+            return error_response("missing or wrong API key (Authorization: Bearer ...)",
+                                  status=401, code="invalid_api_key")
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
@@ -391,8 +393,8 @@ def main() -> None:
     types = {"block_size": int, "num_kvcache_blocks": int, "max_num_seqs": int, "max_num_batched_tokens": int,
              "max_model_len": int, "dtype": str, "device": str, "attention_backend": str,
              "gpu_memory_utilization": float}
-    for name in (f.name for f in fields(Config) if f.name in types):
-        parser.add_argument("--" + name.replace("_", "-"), type=types[name], default=None)
+    for name, type_ in types.items():  # Config's fields, default None: Config's own default
+        parser.add_argument("--" + name.replace("_", "-"), type=type_, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
     args = parser.parse_args()
     config = {name: getattr(args, name) for name in types if getattr(args, name) is not None}

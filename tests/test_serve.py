@@ -87,7 +87,9 @@ def test_completions_match_generate(client, offline):
 # max_completion_tokens ignored, stop strings not passed to the engine.
 def test_chat_matches_llm_chat(client, offline):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is Mr. Darcy?"}]
-    for params, extra in [(GREEDY, dict(max_completion_tokens=12)), (SamplingParams(temperature=0, max_tokens=30, stop=[" the"]), dict(max_tokens=30, stop=" the"))]:
+    cases = [(GREEDY, dict(max_completion_tokens=12)),
+             (SamplingParams(temperature=0, max_tokens=30, stop=[" the"]), dict(max_tokens=30, stop=" the"))]
+    for params, extra in cases:
         expected = offline.chat(messages, params, use_tqdm=False)[0]
         reply = client.chat.completions.create(model=NAME, messages=messages, temperature=0, **extra)
         assert reply.choices[0].message.content == expected.text and reply.choices[0].message.role == "assistant"
@@ -109,7 +111,8 @@ def test_concurrent_streams_match_generate(server, offline):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
 
     def run(i):
-        stream = client.completions.create(model=NAME, prompt=prompts[i], temperature=0, max_tokens=params[i].max_tokens, stream=True)
+        stream = client.completions.create(model=NAME, prompt=prompts[i], temperature=0,
+                                           max_tokens=params[i].max_tokens, stream=True)
         texts[i] = "".join(c.choices[0].text for c in stream)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
@@ -153,7 +156,8 @@ BAD = [  # (path, body, status, words the message must name)
     ("/v1/completions", dict(model=NAME, prompt="Hi", stream=True, max_tokens=-3), 400, "max_tokens"),
     ("/v1/chat/completions", dict(model=NAME, messages=[{"role": "user"}]), 400, "content"),
     ("/v1/chat/completions", dict(model=NAME, messages="hi"), 400, "messages"),
-    ("/v1/chat/completions", dict(model=NAME, messages=[{"role": "user", "content": "x"}], max_completion_tokens=0), 400, "max_tokens"),
+    ("/v1/chat/completions", dict(model=NAME, messages=[{"role": "user", "content": "x"}], max_completion_tokens=0),
+     400, "max_tokens"),
 ]
 
 
