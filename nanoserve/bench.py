@@ -7,6 +7,7 @@ point: every engine runs on the same machine in the same run.
     python -m nanoserve.bench --engines nanoserve,static --num-requests 16
     python -m nanoserve.bench --online --rates 2,4,8     # Poisson arrivals: TTFT/TPOT vs request rate
     python -m nanoserve.bench --profile-decode 48        # where one decode step of 48 requests spends its time
+    python -m nanoserve.bench --server http://127.0.0.1:8000 --rates 2,4,8   # the same load over HTTP + SSE
 """
 from __future__ import annotations
 
@@ -282,6 +283,15 @@ def report(results: list[Result], machine: Machine, shape: ModelShape) -> str:
     return "\n".join(lines)
 
 
+def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which each request arrives: exponential gaps at `rate` req/s."""
+    rng, arrivals, t = random.Random(seed), [], 0.0
+    for _ in range(num_requests):
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    return arrivals
+
+
 def run_online(path: str, workload: list[Request], rates: list[float], seed: int, config: dict) -> str:
     """Requests arrive as a Poisson process at each rate; TTFT and TPOT percentiles per scheduler."""
     from nanoserve import LLM, SamplingParams
@@ -291,11 +301,7 @@ def run_online(path: str, workload: list[Request], rates: list[float], seed: int
         llm.generate([workload[0].prompt], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
         engine = llm.engine
         for rate in rates:
-            rng = random.Random(seed)
-            arrivals, t = [], 0.0
-            for _ in workload:
-                t += rng.expovariate(rate)
-                arrivals.append(t)
+            arrivals = poisson_arrivals(len(workload), rate, seed)
             outputs, late, i, start = [], {}, 0, time.perf_counter()
             while i < len(workload) or engine.has_unfinished_requests():
                 now = time.perf_counter() - start
@@ -313,6 +319,61 @@ def run_online(path: str, workload: list[Request], rates: list[float], seed: int
             lines.append(f"| {scheduling} | {rate:g} | {percentile(ttft, 50):.2f} / {percentile(ttft, 99):.2f} | "
                          f"{1000 * percentile(tpot, 50):.1f} / {1000 * percentile(tpot, 99):.1f} | "
                          f"{time.perf_counter() - start:.1f} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ over HTTP
+
+@dataclass
+class Stream:
+    """One streamed completion as the client saw it."""
+    ttft: float | None    # seconds from its scheduled arrival to the first chunk with text
+    itl: list[float]      # seconds between successive chunks with text
+    output_tokens: int    # the server's usage count (chunks with text, if it sends no usage)
+
+
+def stream_completion(client, model: str, request: Request, arrival: float) -> Stream:
+    """POST one request with `stream: true` and time its SSE chunks against `arrival` (perf_counter)."""
+    body = dict(model=model, prompt=request.prompt, max_tokens=request.output_len, temperature=0,
+                ignore_eos=True, stream=True, stream_options=dict(include_usage=True))
+    stamps, usage = [], None
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue  # blank lines and ": keep-alive" comments carry no tokens
+            chunk = json.loads(line[len("data: "):])
+            usage = chunk.get("usage") or usage
+            if any(choice.get("text") for choice in chunk["choices"]):
+                stamps.append(time.perf_counter())
+    return Stream(stamps[0] - arrival if stamps else None, [b - a for a, b in zip(stamps, stamps[1:])],
+                  usage["completion_tokens"] if usage else len(stamps))
+
+
+def run_http(url: str, workload: list[Request], rates: list[float], seed: int, api_key: str | None) -> str:
+    """`run_online`'s Poisson load sent to a running OpenAI-compatible server, one thread per request."""
+    import httpx
+    from concurrent.futures import ThreadPoolExecutor
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    lines = ["| rate (req/s) | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | output tok/s | seconds |", "|---|---|---|---|---|"]
+    with httpx.Client(base_url=url, headers=headers, timeout=600, limits=httpx.Limits(max_connections=None)) as client:
+        model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+        stream_completion(client, model, Request(workload[0].prompt, 2), time.perf_counter())  # warm-up
+        for rate in rates:
+            arrivals, start = poisson_arrivals(len(workload), rate, seed), time.perf_counter()
+
+            def send(i: int) -> Stream:
+                time.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+                return stream_completion(client, model, workload[i], start + arrivals[i])
+
+            with ThreadPoolExecutor(len(workload)) as pool:
+                streams = list(pool.map(send, range(len(workload))))
+            seconds = time.perf_counter() - start
+            ttft = [s.ttft for s in streams if s.ttft is not None]
+            itl = [gap for s in streams for gap in s.itl]
+            lines.append(f"| {rate:g} | {percentile(ttft, 50):.2f} / {percentile(ttft, 99):.2f} | "
+                         f"{1000 * percentile(itl, 50):.1f} / {1000 * percentile(itl, 99):.1f} | "
+                         f"{sum(s.output_tokens for s in streams) / seconds:.0f} | {seconds:.1f} |")
     return "\n".join(lines)
 
 
@@ -369,17 +430,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="every engine's dtype")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", help="also write the results to this JSON file")
-    p.add_argument("--online", action="store_true", help="Poisson arrivals to nanoserve continuous and static")
-    p.add_argument("--rates", default="1,2,4,8", help="with --online: request rates (req/s)")
-    p.add_argument("--profile-decode", type=int, metavar="N", help="profile one decode step of N requests instead")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--online", action="store_true", help="Poisson arrivals to nanoserve continuous and static")
+    mode.add_argument("--profile-decode", type=int, metavar="N", help="profile one decode step of N requests instead")
+    mode.add_argument("--server", metavar="URL", help="Poisson arrivals over HTTP to a running server (no engine here)")
+    p.add_argument("--rates", default="1,2,4,8", help="with --online or --server: request rates (req/s)")
+    p.add_argument("--api-key", help="with --server: sent as a Bearer token")
     args = p.parse_args(argv)
+    span = lambda s: tuple(int(x) for x in s.split("-"))  # noqa: E731
+    if args.server:
+        # The server's vocab size is not in /v1/models: ids below 1000 are valid for any Llama vocab
+        workload = make_workload(args.num_requests, span(args.input_len), span(args.output_len), 1000, args.seed)
+        print(run_http(args.server, workload, [float(r) for r in args.rates.split(",")], args.seed, args.api_key))
+        return
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model or build_default_model(os.path.join(tempfile.gettempdir(), "nanoserve-bench"))
     from transformers import AutoConfig
     vocab = AutoConfig.from_pretrained(path).vocab_size
-    span = lambda s: tuple(int(x) for x in s.split("-"))  # noqa: E731
     workload = make_workload(args.num_requests, span(args.input_len), span(args.output_len), vocab, args.seed)
     config = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   num_kvcache_blocks=args.kv_cache_tokens // args.block_size + 1,  # + the null block

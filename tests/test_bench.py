@@ -1,8 +1,15 @@
 """Smoke test: the benchmark runs end to end on a tiny model with a handful of requests.
 Benchmarks are not tests: nothing here checks a speed."""
 import json
+import time
 
-from nanoserve.bench import Machine, ModelShape, Step, main, step_limit
+import httpx
+
+import nanoserve
+from nanoserve import LLMEngine
+from nanoserve.bench import Machine, ModelShape, Step, main, make_workload, step_limit, stream_completion
+from nanoserve.config import Config
+from nanoserve.serve import ServerThread, build_app
 
 
 def test_benchmark_runs_every_engine(tiny_models, tmp_path, capsys):
@@ -47,3 +54,24 @@ def test_step_limit_takes_the_larger_of_compute_and_memory():
 def test_profile_decode_runs(tiny_models, capsys):
     main(["--model", tiny_models["gqa"], "--profile-decode", "3"])
     assert "| float32 | 3 |" in capsys.readouterr().out
+
+
+# Catches: server mode counting SSE chunks that carry no text (the role chunk, keep-alives, the
+# usage chunk, [DONE]) as tokens, or losing a request: every requested token must come back.
+def test_server_mode_loads_a_running_server(capsys):
+    engine = LLMEngine(Config.from_kwargs(nanoserve.DEFAULT_MODEL, device="cpu", block_size=8, num_kvcache_blocks=33))
+    server = ServerThread(build_app(engine, "tiny", api_key="sk-test")).start()
+    workload = make_workload(4, (4, 8), (2, 4), 1000, 0)  # what main sends
+    try:
+        main(["--server", server.url, "--api-key", "sk-test", "--num-requests", "4", "--input-len", "4-8",
+              "--output-len", "2-4", "--rates", "20,50"])
+        with httpx.Client(base_url=server.url, headers={"Authorization": "Bearer sk-test"}) as client:
+            streams = [stream_completion(client, "tiny", r, time.perf_counter()) for r in workload]
+    finally:
+        server.stop()
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row[0].strip() for row in rows[1:]] == ["20", "50"]  # one row per rate after the header
+    assert all("nan" not in row[1] + row[2] and float(row[3]) > 0 for row in rows[1:])
+    assert [s.output_tokens for s in streams] == [r.output_len for r in workload]
+    assert all(s.ttft is not None and 0 < s.ttft < 10 and len(s.itl) <= r.output_len - 1
+               for s, r in zip(streams, workload))
