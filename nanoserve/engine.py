@@ -28,7 +28,7 @@ from nanoserve.config import Config
 from nanoserve.detokenizer import Detokenizer
 from nanoserve.model_runner import ModelRunner
 from nanoserve.models.llama import read_config
-from nanoserve.sampler import SamplingParams
+from nanoserve.sampler import SamplingParams, is_int
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
 
@@ -142,8 +142,8 @@ class LLMEngine:
             except UnicodeEncodeError as error:  # a lone surrogate such as "\ud800"
                 raise ValueError(f"prompt is not valid Unicode text: {error}") from None
             token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids = list(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
+            token_ids = [int(t) for t in prompt]  # numpy ints too
         else:
             raise ValueError("prompt must be a string or a list of int token ids")
         if not token_ids:
@@ -300,7 +300,7 @@ def as_prompt_list(prompts: object) -> list[str] | list[list[int]]:
     """generate's prompts as a list: one prompt (a string or a list of token ids) becomes a list
     of one; a list or tuple of prompts stays as it is (each is checked by add_request)."""
     if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                    and all(isinstance(t, int) for t in prompts)):
+                                    and all(is_int(t) for t in prompts)):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "

@@ -354,3 +354,10 @@ def test_a_seeded_request_gives_the_same_tokens_in_any_mix(tiny_models):
         params = [seeded if i == 1 else SamplingParams(max_tokens=MAX_TOKENS[i]) for i in order]
         outputs = LLM(path, **config).generate([PROMPTS[i] for i in order], params, use_tqdm=False)
         assert outputs[order.index(1)].token_ids == alone, config
+
+
+def test_numpy_token_ids_are_token_ids(llm):
+    import numpy as np
+    # A prompt read from an array holds np.int64, not int: it must not be "not a list of int token ids".
+    [out] = llm.generate(list(np.array(PROMPTS[3])), greedy(MAX_TOKENS[3]), use_tqdm=False)
+    assert out.token_ids == reference(llm.engine.config.model)[3] and type(out.prompt_token_ids[0]) is int
