@@ -290,26 +290,31 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
             if chat:
                 choice["message"] = dict(role="assistant", content=output.text)
             else:
-                choice["text"] = output.text
+                choice["text"] = output.text or ""
+                if output.text is None:  # a model without a tokenizer: the tokens are the output
+                    choice["token_ids"] = output.token_ids
             return JSONResponse(dict(head, choices=[choice], usage=usage(output)))
         if chat:
             head["object"] = "chat.completion.chunk"
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
-        def chunk(text: str | None, finish_reason: str | None, role: bool = False) -> str:
+        def chunk(text: str | None, finish_reason: str | None, role: bool = False,
+                  token_ids: list[int] | None = None) -> str:
             choice = dict(index=0, logprobs=None, finish_reason=finish_reason)
             if chat:
                 choice["delta"] = dict(role="assistant", content="") if role else dict(content=text)
             else:
-                choice["text"] = text
+                choice["text"] = text or ""
+                if text is None:  # a model without a tokenizer: stream its token ids instead
+                    choice["token_ids"] = token_ids
             return f"data: {json.dumps(dict(head, choices=[choice]))}\n\n"
 
         async def stream() -> AsyncIterator[str]:
             if chat:
                 yield chunk(None, None, role=True)
             async for item in events(request_id, items):
-                if isinstance(item, RequestDelta) and (item.text or item.finish_reason):
-                    yield chunk(item.text, item.finish_reason)
+                if isinstance(item, RequestDelta) and (item.text or item.finish_reason or item.text is None):
+                    yield chunk(item.text, item.finish_reason, token_ids=item.token_ids)
                 elif isinstance(item, RequestOutput) and include_usage:
                     yield f"data: {json.dumps(dict(head, choices=[], usage=usage(item)))}\n\n"
             yield "data: [DONE]\n\n"

@@ -202,3 +202,21 @@ def test_engine_error_is_a_500_then_serving_goes_on(server, monkeypatch):
     assert reply.status_code == 500 and "ZeroDivisionError" in reply.json()["error"]["message"]
     assert post(server, "/v1/completions", dict(model=NAME, prompt="Hi", max_tokens=2)).status_code == 200
     assert wait_for_free_blocks(server)["nanoserve:num_free_blocks"] == 24
+
+
+# Catches: a model without a tokenizer (token ids in, token ids out) streaming no chunk per token
+# (every delta's text is None) and answering "text": null.
+def test_a_model_without_tokenizer_streams_token_ids(tiny_models):
+    engine = LLMEngine(Config.from_kwargs(tiny_models["gqa"], block_size=4))
+    server = ServerThread(build_app(engine, NAME)).start()
+    try:
+        [expected] = LLM(tiny_models["gqa"], block_size=4).generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)
+        body = dict(model=NAME, prompt=[5, 6, 7, 8], max_tokens=12, temperature=0)
+        whole = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert (whole["text"], whole["token_ids"]) == ("", expected.token_ids)
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == expected.token_ids
+        assert len(chunks) == len(expected.token_ids) and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    finally:
+        server.stop()
