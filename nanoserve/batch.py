@@ -1,7 +1,8 @@
 """The flat batch of one step: every scheduled request's current tokens laid end to end.
 
-This is the walkthrough's picture (docs/walkthrough.md) in code. `build_batch` turns the scheduler's plan into it; the
-model and the attention kernels read it. Nothing else carries attention inputs: no globals.
+This is the walkthrough's picture (docs/walkthrough.md) in code. `build_batch` turns the
+scheduler's plan into it; the model and the attention kernels read it. Nothing else carries
+attention inputs: no globals.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, device: 
 
     Request r runs its tokens [num_computed_tokens, num_computed_tokens + num_new): a whole prompt,
     a prompt chunk, or one decode token. Each request's positions count on from its
-num_computed_tokens: 0, 1, ... for a new prompt, the token's index in its sequence for a decode.
+    num_computed_tokens: 0, 1, ... for a new prompt, the token's index in its sequence for a decode.
     """
     input_ids: list[int] = []
     query_lens, seq_lens, samples = [], [], []

@@ -82,7 +82,8 @@ def resolve_dtype(name: str, device: torch.device, model: str | None = None,
     if name == "auto":
         config_file = Path(model or "", "config.json")
         saved = json.loads(config_file.read_text()) if model and config_file.is_file() else {}
-        dtype = getattr(torch, saved.get("dtype") or saved.get("torch_dtype") or "float32")
+        name = saved.get("dtype") or saved.get("torch_dtype")
+        dtype = getattr(torch, name) if name in ("float32", "bfloat16", "float16") else torch.float32
         if device.type == "cuda" and dtype == torch.float32:
             dtype = torch.bfloat16
     else:
