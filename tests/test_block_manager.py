@@ -104,6 +104,18 @@ def test_a_forged_key_never_serves_another_prefix(monkeypatch):
     assert bm.find_cached_prefix(make_seq([1, 2, 3, 4, 0], "c")) == a.block_table[:1]
 
 
+def test_a_hit_must_follow_its_own_parent(monkeypatch):
+    """Keys that ignore the parent: [3, 4] after [1, 2] and [3, 4] after [5, 6] share one key. A hit
+    for [5, 6, 3, 4] finds the block computed after [1, 2]: its tokens match, its parent does not."""
+    import nanoserve.block_manager as block_manager
+    monkeypatch.setattr(block_manager, "hash_block", lambda parent, tokens: repr(tokens).encode())
+    bm = BlockManager(num_blocks=16, block_size=2)
+    a, b = make_seq([1, 2, 3, 4, 0], "a"), make_seq([5, 6, 7, 7, 0], "b")
+    run_prefill(bm, a)
+    run_prefill(bm, b)
+    assert bm.find_cached_prefix(make_seq([5, 6, 3, 4, 0], "c")) == b.block_table[:1]
+
+
 def test_a_cached_block_is_evicted_before_its_parent():
     bm = BlockManager(num_blocks=6, block_size=2)  # 5 usable blocks
     a = make_seq([1, 2, 3, 4, 5], "a")
