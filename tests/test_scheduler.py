@@ -202,6 +202,19 @@ def test_a_preempted_request_goes_back_ahead_of_those_already_waiting_and_nothin
     assert [s for s, _ in scheduled] == [old] and sched.running == [old]
 
 
+def test_a_step_that_preempted_admits_no_one():
+    # new's 2 blocks come back when it is preempted; old takes one. new's next 2-token chunk would fit
+    # the other at once, only to be preempted again as old grows: the step must not admit it.
+    config = Config(model="unused", block_size=2, max_num_batched_tokens=3, enable_prefix_caching=False)
+    sched = Scheduler(config, 5, max_model_len=8, eos_token_ids=set())
+    old = add(sched, [1, 2], max_tokens=6, request_id="old")
+    new = add(sched, [20, 21, 22, 23], max_tokens=4, request_id="new")
+    while sched.num_preemptions == 0:
+        scheduled = step(sched)
+    assert [s for s, _ in scheduled] == [old] and list(sched.waiting) == [new]
+    assert sched.block_manager.num_free_blocks == 1
+
+
 def test_num_cached_tokens_counts_prompt_hits_at_first_admission_only():
     sched = Scheduler(Config(model="unused", block_size=2), 6, max_model_len=10, eos_token_ids=set())
     add(sched, [1, 2, 3], max_tokens=3, request_id="old")
