@@ -32,6 +32,11 @@ def test_a_budget_too_small_for_one_request_is_an_error_not_a_cache_over_budget(
     # 10% of 100 blocks' worth is 10 blocks: fewer than one 256-token request needs (64 + null block)
     with pytest.raises(ValueError, match="9 usable blocks of 4 slots"):
         LLM(tiny_models["gqa"], block_size=4)
+    # A budget of 1 block (the null block alone) is refused too, even where 2 blocks would serve a
+    # request of max_model_len=4: the bug rounded every budget up to 2 blocks, over the memory given.
+    monkeypatch.setattr(model_runner.psutil, "virtual_memory", lambda: Memory(15 * 2048, 2**30))
+    with pytest.raises(ValueError, match="0 usable blocks"):
+        LLM(tiny_models["gqa"], block_size=4, max_model_len=4)
 
 
 def test_mps_is_a_device_that_runs_the_torch_backend(monkeypatch):
