@@ -8,6 +8,7 @@ point: every engine runs on the same machine in the same run.
     python -m nanoserve.bench --online --rates 2,4,8     # Poisson arrivals: TTFT/TPOT vs request rate
     python -m nanoserve.bench --profile-decode 48        # where one decode step of 48 requests spends its time
     python -m nanoserve.bench --server http://127.0.0.1:8000 --rates 2,4,8   # the same load over HTTP + SSE
+    python -m nanoserve.bench --llama-cpp llama-batched-bench --gguf model.gguf --model HF_FOLDER   # vs llama.cpp
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -415,6 +418,63 @@ def profile_decode(path: str, num_requests: int, vocab_size: int, config: dict) 
             f"{share('aten::index_select'):.0f}% |")
 
 
+# ------------------------------------------------------------------------------------ llama.cpp as a peer
+
+@dataclass(frozen=True)
+class PeerRow:
+    """One engine at one batch size: B requests, each a fixed prompt and a fixed number of outputs."""
+    engine: str
+    batch_size: int
+    ms_per_token: float   # one decode step, i.e. one output token of each request
+    total_tok_s: float    # prompt + generated tokens over the wall time
+
+
+def parse_batched_bench(output: str) -> list[PeerRow]:
+    """Rows of `llama-batched-bench --output-format jsonl`: t_tg is the time of its tg decode steps
+    after the prompts, speed is (B * pp + B * tg) / (t_pp + t_tg)."""
+    rows = [json.loads(line) for line in output.splitlines() if line.startswith('{"n_kv_max"')]
+    return [PeerRow("llama.cpp", r["pl"], 1000 * r["t_tg"] / r["tg"], r["speed"]) for r in rows]
+
+
+def run_llama_cpp(binary: str, gguf: str, batch_sizes: list[int], prompt_len: int, gen_len: int,
+                  threads: int) -> list[PeerRow]:
+    """llama.cpp's own batched benchmark: B independent sequences (prompts not shared), each with
+    `prompt_len` random prompt tokens, then `gen_len` decode steps of all B together."""
+    found = shutil.which(binary)
+    if found is None:
+        raise SystemExit(f"llama-batched-bench not found or not executable: {binary!r} (the README's "
+                         "'llama.cpp as a yardstick' shows how to build it)")
+    context = max(batch_sizes) * (prompt_len + gen_len)  # it skips any B whose sequences do not fit
+    cmd = [found, "-m", gguf, "-c", str(context), "-npp", str(prompt_len), "-ntg", str(gen_len),
+           "-npl", ",".join(map(str, batch_sizes)), "-t", str(threads), "-tb", str(threads), "--output-format", "jsonl"]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rows = parse_batched_bench(done.stdout)
+    if done.returncode != 0 or len(rows) != len(batch_sizes):
+        raise SystemExit(f"{' '.join(cmd)} failed (exit {done.returncode}):\n{done.stdout[-2000:]}")
+    return rows
+
+
+def run_nanoserve_batch(path: str, batch_size: int, prompt_len: int, gen_len: int, dtype: str,
+                        vocab_size: int, seed: int) -> PeerRow:
+    """The same shape on nanoserve: B requests of random prompt ids, greedy, EOS ignored, all at once."""
+    workload = make_workload(batch_size, (prompt_len, prompt_len), (gen_len, gen_len), vocab_size, seed)
+    max_model_len = whole_blocks(prompt_len + gen_len, 16)
+    result = run_nanoserve(path, workload, "continuous", block_size=16, max_num_seqs=batch_size, dtype=dtype,
+                           max_model_len=max_model_len, num_kvcache_blocks=batch_size * max_model_len // 16 + 1)
+    decode = [s.seconds for s in result.steps if s.phase == "decode"]  # every request past its prompt
+    return PeerRow("nanoserve", batch_size, 1000 * statistics.mean(decode), result.total_tok_s)
+
+
+def compare_llama_cpp(binary: str, gguf: str, path: str, batch_sizes: list[int], prompt_len: int, gen_len: int,
+                      dtype: str, vocab_size: int, seed: int) -> str:
+    rows = run_llama_cpp(binary, gguf, batch_sizes, prompt_len, gen_len, torch.get_num_threads())
+    rows += [run_nanoserve_batch(path, b, prompt_len, gen_len, dtype, vocab_size, seed) for b in batch_sizes]
+    lines = ["| engine | B | ms per output token | total tok/s |", "|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: r.batch_size):  # stable: llama.cpp, then nanoserve, per B
+        lines.append(f"| {r.engine} | {r.batch_size} | {r.ms_per_token:.1f} | {r.total_tok_s:.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Llama checkpoint folder (default: a random ~40M Llama, built once)")
@@ -434,6 +494,11 @@ def main(argv: list[str] | None = None) -> None:
     mode.add_argument("--online", action="store_true", help="Poisson arrivals to nanoserve continuous and static")
     mode.add_argument("--profile-decode", type=int, metavar="N", help="profile one decode step of N requests instead")
     mode.add_argument("--server", metavar="URL", help="Poisson arrivals over HTTP to a running server (no engine here)")
+    mode.add_argument("--llama-cpp", metavar="BINARY", help="llama-batched-bench vs nanoserve, per batch size (needs --gguf)")
+    p.add_argument("--gguf", help="with --llama-cpp: the --model checkpoint converted to GGUF in the same dtype")
+    p.add_argument("--batch-sizes", default="1,8,64", help="with --llama-cpp: B requests decoding together")
+    p.add_argument("--prompt-len", type=int, default=128, help="with --llama-cpp: prompt tokens per request")
+    p.add_argument("--gen-len", type=int, default=128, help="with --llama-cpp: generated tokens per request")
     p.add_argument("--rates", default="1,2,4,8", help="with --online or --server: request rates (req/s)")
     p.add_argument("--api-key", help="with --server: sent as a Bearer token")
     args = p.parse_args(argv)
@@ -449,6 +514,14 @@ def main(argv: list[str] | None = None) -> None:
     path = args.model or build_default_model(os.path.join(tempfile.gettempdir(), "nanoserve-bench"))
     from transformers import AutoConfig
     vocab = AutoConfig.from_pretrained(path).vocab_size
+    if args.llama_cpp:
+        if not args.gguf:
+            raise SystemExit("--llama-cpp needs --gguf, the same model in GGUF")
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (both engines), {args.dtype}; "
+              f"{args.prompt_len} prompt + {args.gen_len} generated tokens per request")
+        print(compare_llama_cpp(args.llama_cpp, args.gguf, path, [int(b) for b in args.batch_sizes.split(",")],
+                                args.prompt_len, args.gen_len, args.dtype, vocab, args.seed))
+        return
     workload = make_workload(args.num_requests, span(args.input_len), span(args.output_len), vocab, args.seed)
     config = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   num_kvcache_blocks=args.kv_cache_tokens // args.block_size + 1,  # + the null block

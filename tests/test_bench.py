@@ -7,7 +7,8 @@ import httpx
 
 import nanoserve
 from nanoserve import LLMEngine
-from nanoserve.bench import Machine, ModelShape, Step, main, make_workload, step_limit, stream_completion
+from nanoserve.bench import (Machine, ModelShape, PeerRow, Step, main, make_workload, parse_batched_bench, step_limit,
+                             stream_completion)
 from nanoserve.config import Config
 from nanoserve.serve import ServerThread, build_app
 
@@ -75,3 +76,19 @@ def test_server_mode_loads_a_running_server(capsys):
     assert [s.output_tokens for s in streams] == [r.output_len for r in workload]
     assert all(s.ttft is not None and 0 < s.ttft < 10 and len(s.itl) <= r.output_len - 1
                for s, r in zip(streams, workload))
+
+
+# Catches: reading llama.cpp's total time as the decode time, or per-token latency as a rate.
+# A canned line of `llama-batched-bench --output-format jsonl`; llama.cpp itself never runs here.
+def test_llama_cpp_output_is_parsed_per_batch_size(capsys):
+    output = ("main: n_kv_max = 2048, n_batch = 2048\n"
+              '{"n_kv_max": 2048, "n_batch": 2048, "n_ubatch": 512, "flash_attn": 0, "is_pp_shared": 0, '
+              '"n_gpu_layers": 99, "n_threads": 8, "n_threads_batch": 8, "pp": 128, "tg": 128, "pl": 8, "n_kv": 2048, '
+              '"t_pp": 0.5, "speed_pp": 2048.0, "t_tg": 2.56, "speed_tg": 400.0, "t": 3.06, "speed": 669.28}\n')
+    assert parse_batched_bench(output) == [PeerRow("llama.cpp", 8, 20.0, 669.28)]
+    try:
+        main(["--model", nanoserve.DEFAULT_MODEL, "--llama-cpp", "/nonexistent/llama-batched-bench", "--gguf", "x.gguf"])
+    except SystemExit as error:
+        assert "not found" in str(error)
+    else:
+        raise AssertionError("a missing binary must stop the run")
