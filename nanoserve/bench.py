@@ -386,7 +386,9 @@ def profile_decode(path: str, num_requests: int, vocab_size: int, config: dict) 
     module over 5 steps (the median step is reported); op shares come from torch.profiler on one more."""
     from nanoserve import LLM, SamplingParams
     from nanoserve.attention import Attention
-    config = config | dict(num_kvcache_blocks=num_requests * 18 + 1, max_model_len=None)  # room for all
+    # room for all: each request reaches at most 232 tokens, 15 blocks of 16; the cache must also
+    # hold one max_model_len request, so that is 256 here, not the model's (8192 for SmolLM2)
+    config = config | dict(num_kvcache_blocks=num_requests * 18 + 1, max_model_len=256)
     engine = LLM(path, enable_prefix_caching=False, **config).engine
     rng = random.Random(0)
     for _ in range(num_requests):
