@@ -78,11 +78,14 @@ class BlockManager:
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             key = hash_block(key, tokens)
-            block = self.blocks[self.cached_blocks.get(key, 0)]  # block 0, never cached: a miss
-            # Exact: the same tokens after the same (already verified) cached block.
-            if block.hash is None or block.token_ids != tokens or block.parent != (hits[-1] if hits else None):
+            block_id = self.cached_blocks.get(key)
+            if block_id is None:
                 break
-            hits.append(block.block_id)
+            # The key only finds a candidate. Exact: the same tokens after the same (verified) block.
+            block = self.blocks[block_id]
+            if block.token_ids != tokens or block.parent != (hits[-1] if hits else None):
+                break
+            hits.append(block_id)
         return hits
 
     def allocate(self, seq: Sequence, num_tokens: int, cached_prefix: list[int] | None = None) -> bool:
