@@ -124,6 +124,7 @@ def run_nanoserve(path: str, workload: list[Request], scheduling: str, **config)
         peak_used = max(peak_used, sum(s.num_computed_tokens for s in running))
         peak_alloc = max(peak_alloc, (total - bm.num_free_blocks) * block_size)
     seconds = time.perf_counter() - start
+    llm.close()  # stops tensor-parallel workers
     return Result(scheduling if scheduling == "static" else "nanoserve", seconds,
                   sum(len(o.token_ids) for o in outputs), sum(len(r.prompt) for r in workload),
                   [o.ttft for o in outputs], [(o.latency - o.ttft) / max(1, len(o.token_ids) - 1) for o in outputs],
@@ -477,6 +478,25 @@ def compare_llama_cpp(binary: str, gguf: str, path: str, batch_sizes: list[int],
     return "\n".join(lines)
 
 
+def compare_tensor_parallel(path: str, workload: list[Request], config: dict, size: int) -> str:
+    """The same workload on one process with T and size*T threads, and on `size` ranks of T threads
+    each (T: torch's threads now): the same cores, split two ways."""
+    threads = torch.get_num_threads()
+    setups = [(1, threads), (1, size * threads), (size, threads)]
+    lines = ["| ranks x threads | seconds | total tok/s | decode step (median ms) | vs 1 x "
+             f"{size * threads} |", "|---|---|---|---|---|"]
+    results = []
+    for ranks, num_threads in setups:
+        torch.set_num_threads(num_threads)  # workers start with rank 0's count
+        results.append(run_nanoserve(path, workload, "continuous", tensor_parallel_size=ranks, **config))
+    torch.set_num_threads(threads)
+    for (ranks, num_threads), r in zip(setups, results):
+        decode = statistics.median(s.seconds for s in r.steps if s.phase == "decode") * 1000
+        lines.append(f"| {ranks} x {num_threads} | {r.seconds:.2f} | {r.total_tok_s:.0f} | {decode:.1f} | "
+                     f"{results[1].seconds / r.seconds:.2f}x |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Llama checkpoint folder (default: a random ~40M Llama, built once)")
@@ -497,6 +517,8 @@ def main(argv: list[str] | None = None) -> None:
     mode.add_argument("--profile-decode", type=int, metavar="N", help="profile one decode step of N requests instead")
     mode.add_argument("--server", metavar="URL", help="Poisson arrivals over HTTP to a running server (no engine here)")
     mode.add_argument("--llama-cpp", metavar="BINARY", help="llama-batched-bench vs nanoserve, per batch size (needs --gguf)")
+    mode.add_argument("--tensor-parallel", type=int, metavar="N",
+                      help="nanoserve on 1 process vs N ranks (tensor parallelism), --threads each")
     p.add_argument("--gguf", help="with --llama-cpp: the --model checkpoint converted to GGUF in the same dtype")
     p.add_argument("--batch-sizes", default="1,8,64", help="with --llama-cpp: B requests decoding together")
     p.add_argument("--prompt-len", type=int, default=128, help="with --llama-cpp: prompt tokens per request")
@@ -533,6 +555,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{sum(len(r.prompt) for r in workload)} prompt + {sum(r.output_len for r in workload)} output tokens")
     if args.profile_decode:
         print(profile_decode(path, args.profile_decode, vocab, config))
+        return
+    if args.tensor_parallel:
+        print(compare_tensor_parallel(path, workload, config, args.tensor_parallel))
         return
     if args.online:
         print(run_online(path, workload, [float(r) for r in args.rates.split(",")], args.seed, config))

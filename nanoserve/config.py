@@ -28,11 +28,12 @@ class Config:
     attention_backend: str = "auto"           # "auto" | "flash" | "torch"
     scheduling: str = "continuous"            # "continuous" | "static" (the baseline)
     gpu_memory_utilization: float = 0.9       # share of GPU memory for weights + KV cache
+    tensor_parallel_size: int = 1             # processes (ranks) the model is split over (parallel.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
             raise ValueError(f"model must be a path to a model folder (str), got {self.model!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             check_positive_int(name, getattr(self, name))
         for name in ("num_kvcache_blocks", "max_model_len"):
             if getattr(self, name) is not None:

@@ -28,6 +28,7 @@ from nanoserve.config import Config
 from nanoserve.detokenizer import Detokenizer
 from nanoserve.model_runner import ModelRunner
 from nanoserve.models.llama import read_config
+from nanoserve.parallel import check_tensor_parallel
 from nanoserve.sampler import SamplingParams, is_int
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
@@ -94,6 +95,7 @@ class LLMEngine:
         if config.block_size > max(self.max_model_len, 256):
             raise ValueError(f"block_size={config.block_size} is larger than max_model_len={self.max_model_len} "
                              f"and than 256, flash-attn's page size")
+        check_tensor_parallel(config.tensor_parallel_size, hf_config, self.device)
         self.model_runner = ModelRunner(config, self.device, self.max_model_len)
         self.vocab_size = self.model_runner.model.vocab_size
         num_blocks = self.model_runner.num_blocks
@@ -165,6 +167,10 @@ class LLMEngine:
         self.aborted.append(self.make_output(seq))
         return self.aborted[-1]
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (see parallel.py); the engine serves no more."""
+        self.model_runner.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -232,6 +238,16 @@ class LLM:
 
     def __init__(self, model: str, **config: object) -> None:
         self.engine = LLMEngine(Config.from_kwargs(model, **config))
+
+    def close(self) -> None:
+        """Stop the workers of `tensor_parallel_size` > 1 and free their port; a no-op otherwise."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

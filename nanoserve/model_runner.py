@@ -12,36 +12,59 @@ from pathlib import Path
 
 import psutil
 import torch
+import torch.distributed as dist
 
 from nanoserve.attention import select_backend
 from nanoserve.batch import Batch
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config
 from nanoserve.models.llama import load_model
+from nanoserve.parallel import Shard, Workers, broadcast_from_rank0, join_group
 from nanoserve.sampler import sample
 from nanoserve.sequence import Sequence
 
 
 class ModelRunner:
-    """Owns the model, the KV cache and the sampler; runs one Batch per step."""
+    """Owns the model, the KV cache and the sampler; runs one Batch per step. With tensor
+    parallelism (parallel.py) every rank has one, holding its shard; rank 0's also starts and
+    drives the workers, and samples."""
 
-    def __init__(self, config: Config, device: torch.device, max_model_len: int) -> None:
+    def __init__(self, config: Config, device: torch.device, max_model_len: int, rank: int = 0) -> None:
         self.device = device
+        self.shard = Shard(rank, config.tensor_parallel_size)
+        self.workers = None
+        if self.shard.size > 1 and rank == 0:
+            self.workers = Workers(config, max_model_len, device)
+        try:
+            if self.workers is not None:
+                join_group(self.shard, self.workers.port, device)
+            self.load(config, max_model_len)
+        except BaseException:
+            self.close()
+            raise
+
+    def load(self, config: Config, max_model_len: int) -> None:
+        """The model (this rank's shard of it) and a KV cache of the blocks rank 0 decided on."""
+        device = self.device
         self.dtype = resolve_dtype(config.dtype, device, config.model)
         self.backend = select_backend(config.attention_backend, device, config.block_size, self.dtype)
-        self.model = load_model(config.model, self.dtype, device, self.backend)
+        self.model = load_model(config.model, self.dtype, device, self.backend, self.shard)
         self.num_blocks = config.num_kvcache_blocks or self.size_kv_cache(config, max_model_len)
+        if self.shard.size > 1:
+            self.num_blocks = broadcast_from_rank0(self.num_blocks)  # the same block tables fit every rank
         needed, available = self.num_blocks * self.bytes_per_block(config.block_size), self.free_memory()[0]
         if needed > available:
             raise ValueError(f"num_kvcache_blocks={self.num_blocks} needs {needed / 2**30:.2f} GiB for the KV cache, "
                              f"but only {available / 2**30:.2f} GiB of {device.type} memory is free")
         # [2 (k and v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]: flash-attn's
-        # paged layout per layer. Zeros, not empty: padding slots are read (and masked) by attention.
+        # paged layout per layer (this rank's KV heads). Zeros, not empty: padding slots are read
+        # (and masked) by attention.
         self.kv_cache = torch.zeros(2, self.model.num_layers, self.num_blocks, config.block_size,
                                     self.model.num_kv_heads, self.model.head_dim, dtype=self.dtype, device=device)
 
     def bytes_per_block(self, block_size: int) -> int:
-        m = self.model
-        return 2 * m.num_layers * block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        """One block's KV bytes in this device's memory: this rank's, times the ranks sharing a CPU's RAM."""
+        m, ranks_here = self.model, self.shard.size if self.device.type == "cpu" else 1
+        return ranks_here * 2 * m.num_layers * block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
 
     def free_memory(self) -> tuple[int, int]:
         """(free, total) bytes of the device's memory; on a CPU, or Apple's unified memory, the RAM
@@ -66,11 +89,34 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch, seqs: list[Sequence]) -> list[int]:
         """One forward pass over the flat batch, then sample one token per row of logits_indices;
-        `seqs` are the requests that sample, in batch order."""
-        logits = self.model(batch, self.kv_cache)  # [S, vocab]: only the rows that sample
+        `seqs` are the requests that sample, in batch order (none on a worker)."""
+        if self.workers is None:
+            logits = self.model(batch, self.kv_cache)  # [S, vocab]: only the rows that sample
+        else:
+            logits = self.run_with_workers(batch)
         if not seqs:
             return []
         return sample(logits, [s.params for s in seqs], [s.num_tokens - s.num_prompt_tokens for s in seqs])
+
+    def run_with_workers(self, batch: Batch) -> torch.Tensor:
+        """Rank 0's forward: the workers get the batch and run theirs alongside. A failure (or a
+        Ctrl-C) leaves the ranks out of step, so it stops them all, naming the worker at fault."""
+        try:
+            self.workers.send(batch.to("cpu"))
+            return self.model(batch, self.kv_cache)
+        except BaseException as error:
+            failure = self.workers.failure()
+            self.close()
+            if failure is not None:
+                raise failure from error
+            raise
+
+    def close(self) -> None:
+        """Stop the workers and leave the process group (tensor parallelism only)."""
+        if self.workers is not None:
+            self.workers.close()
+        if self.shard.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def resolve_dtype(name: str, device: torch.device, model: str | None = None,

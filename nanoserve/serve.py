@@ -397,7 +397,7 @@ def main() -> None:
     parser.add_argument("--served-model-name", default=None, help="default: the model path")
     types = {"block_size": int, "num_kvcache_blocks": int, "max_num_seqs": int, "max_num_batched_tokens": int,
              "max_model_len": int, "dtype": str, "device": str, "attention_backend": str,
-             "gpu_memory_utilization": float}
+             "gpu_memory_utilization": float, "tensor_parallel_size": int}
     for name, type_ in types.items():  # Config's fields, default None: Config's own default
         parser.add_argument("--" + name.replace("_", "-"), type=type_, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
@@ -406,6 +406,7 @@ def main() -> None:
     engine = LLMEngine(Config.from_kwargs(args.model, enable_prefix_caching=not args.no_prefix_caching, **config))
     app = build_app(engine, args.served_model_name or args.model, args.api_key)
     uvicorn.run(app, host=args.host, port=args.port)
+    engine.close()  # stops tensor-parallel workers
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanoserve.attention import Attention, AttentionPlan, plan_for_batch
 from nanoserve.batch import Batch
+from nanoserve.parallel import Shard, all_reduce, embed, gather_on_rank0
 
 # Our fused parameter -> the checkpoint tensors stacked (dim 0, in this order) into it.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -113,16 +114,18 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Fused qkv projection, RoPE, paged attention (nanoserve.attention), output projection."""
+    """Fused qkv projection, RoPE, paged attention (nanoserve.attention), output projection.
+    Split over `shard.size` ranks (parallel.py), each has its 1/size of the heads."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, attention_backend: str):
+    def __init__(self, config: PretrainedConfig, head_dim: int, attention_backend: str, shard: Shard):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.shard = shard
+        self.num_heads = config.num_attention_heads // shard.size
+        self.num_kv_heads = config.num_key_value_heads // shard.size
         self.head_dim = head_dim
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)  # this rank's heads in
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, attention_backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -134,29 +137,32 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.attn(q, k, v, k_cache, v_cache, batch, plan)  # [N, H, D]
-        return self.o_proj(out.reshape(-1, self.q_size))  # [N, H * D] -> [N, hidden]
+        out = self.o_proj(out.reshape(-1, self.q_size))  # [N, H * D] -> [N, hidden]
+        return all_reduce(out, self.shard)  # the sum over every rank's heads
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one matmul."""
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, shard: Shard):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.shard = shard
+        intermediate = config.intermediate_size // shard.size  # this rank's hidden units
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, intermediate] each
-        return self.down_proj(F.silu(gate) * up)
+        return all_reduce(self.down_proj(F.silu(gate) * up), self.shard)  # the sum over every rank's units
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int, attention_backend: str):
+    def __init__(self, config: PretrainedConfig, head_dim: int, attention_backend: str, shard: Shard):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, head_dim, attention_backend)
+        self.self_attn = LlamaAttention(config, head_dim, attention_backend, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, shard)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: Batch, plan: AttentionPlan | None) -> torch.Tensor:
@@ -167,18 +173,19 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm: HF's `model.*` half of the checkpoint."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, attention_backend: str):
+    def __init__(self, config: PretrainedConfig, head_dim: int, attention_backend: str, shard: Shard):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.shard = shard
+        self.embed_tokens = nn.Embedding(config.vocab_size // shard.size, config.hidden_size)  # a vocab range
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, head_dim, attention_backend) for _ in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, head_dim, attention_backend, shard) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, head_dim)
         self.attention_backend = attention_backend
 
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Final hidden states `[S, hidden]` of the rows `batch.logits_indices`."""
-        x = self.embed_tokens(batch.input_ids)  # [N, hidden]
+        x = embed(batch.input_ids, self.embed_tokens.weight, self.shard)  # [N, hidden]
         cos, sin = self.rotary(batch.positions, x.dtype)  # [N, D] each, shared by every layer
         # The torch backend's attention plan (which requests attend together, their blocks and
         # masks) is the same for every layer too; flash-attn needs none.
@@ -192,37 +199,42 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig, attention_backend: str):
+    def __init__(self, config: PretrainedConfig, attention_backend: str, shard: Shard = Shard()):
         super().__init__()
         self.config = config
+        self.shard = shard
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_kv_heads = config.num_key_value_heads // shard.size  # in this rank's KV cache
         self.vocab_size = config.vocab_size
-        self.model = LlamaModel(config, self.head_dim, attention_backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, self.head_dim, attention_backend, shard)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // shard.size, bias=False)  # a vocab range
 
-    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Logits `[S, vocab]` float32; kv_cache is `[2, num_layers, num_blocks, block_size, Hkv, D]`."""
-        return self.lm_head(self.model(batch, kv_cache)).float()
+    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor | None:
+        """Logits `[S, vocab]` float32 (None on a tensor-parallel worker: rank 0 samples);
+        kv_cache is `[2, num_layers, num_blocks, block_size, Hkv, D]`."""
+        logits = gather_on_rank0(self.lm_head(self.model(batch, kv_cache)), self.shard)
+        return None if logits is None else logits.float()
 
 
 # ---------------------------------------------------------------------------------------------
 # Loading a Hugging Face checkpoint
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_backend: str) -> LlamaForCausalLM:
-    """Build a Llama from a Hugging Face folder (config.json + *.safetensors) on `device` in `dtype`."""
+def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_backend: str,
+               shard: Shard = Shard()) -> LlamaForCausalLM:
+    """Build a Llama from a Hugging Face folder (config.json + *.safetensors) on `device` in `dtype`;
+    with tensor parallelism, only `shard`'s part of it: every tensor is sliced as it is read."""
     config = read_config(path)
     with torch.device("meta"):  # shapes only: every parameter is replaced by a checkpoint tensor
-        model = LlamaForCausalLM(config, attention_backend)
+        model = LlamaForCausalLM(config, attention_backend, shard)
     files = index_checkpoint(Path(path))
     check_shapes(files, expected_shapes(config, model.head_dim))
     for name, param in list(model.named_parameters()):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         # A fused parameter stacks its checkpoint tensors on the output dim, e.g. q, k, v
-        tensor = torch.cat([read_tensor(files, part) for part in checkpoint_names(name)], dim=0)
+        tensor = torch.cat([read_tensor(files, part, shard) for part in checkpoint_names(name)], dim=0)
         module_name, _, leaf = name.rpartition(".")
         tensor = tensor.to(device=device, dtype=dtype)
         if name.endswith("proj.weight") or name == "lm_head.weight":
@@ -320,6 +332,22 @@ def checkpoint_names(param_name: str) -> list[str]:
     return [param_name]  # everything else keeps its Hugging Face name
 
 
-def read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
+def split_dim(name: str) -> int | None:
+    """The dim a checkpoint tensor is split on across tensor-parallel ranks (see parallel.py):
+    0 = output rows (columns of the matmul: heads, hidden units, vocabulary), 1 = input; None: whole."""
+    if any(part in name for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")):
+        return 0
+    if "o_proj" in name or "down_proj" in name:
+        return 1
+    return None  # the norms
+
+
+def read_tensor(files: dict[str, Path], name: str, shard: Shard = Shard()) -> torch.Tensor:
+    """A checkpoint tensor, or only `shard`'s slice of it (read from disk as a slice)."""
     with safe_open(files[name], framework="pt", device="cpu") as f:
-        return f.get_tensor(name)
+        dim = split_dim(name)
+        if shard.size == 1 or dim is None:
+            return f.get_tensor(name)
+        tensor = f.get_slice(name)
+        part = shard.part(tensor.get_shape()[dim])
+        return tensor[part] if dim == 0 else tensor[:, part]

@@ -1,0 +1,186 @@
+"""Tensor parallelism: one model split over N processes ("ranks"), Megatron-style.
+
+Each rank holds 1/N of every layer and does 1/N of its work; the ranks meet twice per layer to sum
+their partial results (all-reduce):
+
+    qkv_proj, gate_up_proj   split by output columns: rank r computes its own 1/N of the query and
+                             KV heads, and 1/N of the MLP's hidden units; no exchange needed
+    o_proj, down_proj        split by input rows: each rank's product `[N, hidden]` is a partial
+                             sum over its heads / hidden units; one all-reduce adds them up
+    embed_tokens, lm_head    split over the vocabulary: a rank embeds only the tokens in its range
+                             (zeros elsewhere, then an all-reduce); lm_head's slices of the logits
+                             are gathered on rank 0, which samples
+
+So each rank's KV cache holds only its KV heads, under the very same block tables. Rank 0 is the
+engine: scheduler, block manager and sampler live there only. Each step it sends the `Batch` to
+the other ranks (the workers) over a pipe, then every rank runs the same forward on its shard.
+With tensor_parallel_size 1 none of this runs: no process group, no process, `all_reduce` is a no-op.
+"""
+from __future__ import annotations
+
+import signal
+import socket
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import PretrainedConfig
+
+from nanoserve.config import Config
+
+# A collective that waits longer than this raises on every rank still alive: a hung rank becomes an
+# error, never a hang. A rank that dies or raises is noticed at once (its sockets close).
+TIMEOUT = timedelta(minutes=2)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which part of the model this process holds: the `rank`-th 1/`size` of every split dim."""
+    rank: int = 0
+    size: int = 1
+
+    def part(self, n: int) -> slice:
+        """This rank's range of a dim of length n (size divides n)."""
+        step = n // self.size
+        return slice(self.rank * step, (self.rank + 1) * step)
+
+
+def all_reduce(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """Sum x over the ranks, in place: each rank holds a partial sum of the same `[N, hidden]`."""
+    if shard.size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def embed(input_ids: torch.Tensor, weight: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """`[N] -> [N, hidden]`; `weight` is this rank's rows of the embedding, a range of the vocabulary."""
+    if shard.size == 1:
+        return weight[input_ids]
+    local = input_ids - shard.rank * weight.shape[0]  # [N], an index into this rank's rows
+    mine = (local >= 0) & (local < weight.shape[0])
+    x = weight[local.where(mine, 0)].masked_fill(~mine[:, None], 0)  # other ranks' tokens: zeros
+    return all_reduce(x, shard)
+
+
+def gather_on_rank0(x: torch.Tensor, shard: Shard) -> torch.Tensor | None:
+    """Every rank's `[S, vocab / N]` slice of the logits, side by side on rank 0 `[S, vocab]`; None elsewhere."""
+    if shard.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(shard.size)] if shard.rank == 0 else None
+    dist.gather(x.contiguous(), parts, dst=0)
+    return torch.cat(parts, dim=-1) if parts else None
+
+
+def check_tensor_parallel(size: int, hf_config: PretrainedConfig, device: torch.device) -> None:
+    """N must split the heads, the MLP and the vocabulary evenly, and have a device per rank; this
+    process must not be in a process group already."""
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        if getattr(hf_config, name) % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide the model's {name}={getattr(hf_config, name)}")
+    if size > 1 and dist.is_initialized():
+        raise ValueError("this process already has a torch.distributed process group (another LLM with "
+                         "tensor_parallel_size > 1 still open?): close() that one first")
+    if size > 1 and device.type not in ("cpu", "cuda"):
+        raise ValueError(f"tensor_parallel_size={size} runs on cpu (gloo) or cuda (NCCL), not {device.type}")
+    if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={size} from {device} needs more CUDA devices than the "
+                         f"{torch.cuda.device_count()} this machine has")
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: the next r-th GPU after rank 0's; on a CPU every rank shares it."""
+    return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
+
+
+def join_group(shard: Shard, port: int, device: torch.device) -> None:
+    """Every rank calls this once: one process group, gloo between CPU processes, NCCL between GPUs."""
+    backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=shard.rank,
+                            world_size=shard.size, timeout=TIMEOUT, device_id=device_id)
+
+
+def broadcast_from_rank0(value: object) -> object:
+    """Rank 0's `value` on every rank."""
+    objects = [value]
+    dist.broadcast_object_list(objects, src=0)
+    return objects[0]
+
+
+class Workers:
+    """Ranks 1..N-1, each a process running `run_worker`, driven by rank 0 over one pipe each."""
+
+    def __init__(self, config: Config, max_model_len: int, device: torch.device) -> None:
+        with socket.socket() as s:  # a free port for the group's rendezvous (held by rank 0)
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        # spawn, not fork: a fork of a process running OpenMP or CUDA threads can deadlock
+        context = mp.get_context("spawn")
+        self.pipes, self.processes = [], []
+        for rank in range(1, config.tensor_parallel_size):
+            pipe, child_end = context.Pipe()
+            args = (config, max_model_len, rank, self.port, child_end, device, torch.get_num_threads())
+            process = context.Process(target=run_worker, args=args, daemon=True)  # daemon: ends with us
+            process.start()
+            child_end.close()  # ours closed, so a worker's death reads as EOF here
+            self.pipes.append(pipe)
+            self.processes.append(process)
+
+    def send(self, batch: object) -> None:
+        """The next step's `Batch` (on the CPU) to every worker."""
+        if not self.processes:
+            raise RuntimeError("the tensor-parallel workers are stopped (closed, or after an error): create a new LLM")
+        for pipe in self.pipes:
+            pipe.send(batch)
+
+    def failure(self) -> RuntimeError | None:
+        """After a step failed on rank 0: the error of the worker that failed or died, if one did."""
+        for rank, (pipe, process) in enumerate(zip(self.pipes, self.processes), start=1):
+            process.join(timeout=1)  # a failing worker reports, then exits
+            try:
+                if pipe.poll():
+                    return RuntimeError(f"tensor-parallel worker {rank} failed:\n{pipe.recv()}")
+            except (EOFError, OSError):  # it died without a word
+                pass
+            if not process.is_alive():
+                return RuntimeError(f"tensor-parallel worker {rank} died (exit code {process.exitcode})")
+        return None
+
+    def close(self) -> None:
+        """Stop every worker: ask (None instead of a Batch), wait a little, then terminate."""
+        for pipe in self.pipes:
+            try:
+                pipe.send(None)
+            except OSError:  # that worker is gone already
+                pass
+        for process in self.processes:
+            process.join(timeout=2)  # one stuck in a collective never reads the pipe
+            if process.is_alive():
+                process.terminate()
+                process.join()
+        self.pipes, self.processes = [], []
+
+
+def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: object,
+               device: torch.device, num_threads: int) -> None:
+    """A worker's life: join the group, load its shard, then run every Batch rank 0 sends until
+    None. Anything raised goes back to rank 0 over the pipe; the exit closes its sockets, which
+    fails rank 0's collective at once."""
+    from nanoserve.model_runner import ModelRunner  # here: model_runner imports this module
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
+    torch.set_num_threads(num_threads)
+    device = rank_device(device, rank)
+    try:
+        join_group(Shard(rank, config.tensor_parallel_size), port, device)
+        runner = ModelRunner(config, device, max_model_len, rank)
+        while (batch := pipe.recv()) is not None:
+            runner.run(batch.to(device), [])
+    except EOFError:  # rank 0 is gone
+        pass
+    except BaseException:
+        pipe.send(traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
