@@ -171,6 +171,20 @@ def test_a_worker_that_dies_is_reported_and_close_frees_everything(tiny_models):
         assert again.generate([PROMPTS[1]], greedy(4), use_tqdm=False)[0].token_ids == reference(tiny_models["gqa"])[1][:4]
 
 
+def test_close_stops_a_worker_stuck_in_a_collective(tiny_models):
+    """A worker waiting in an all-reduce for a rank 0 that never comes (as after a Ctrl-C mid-step)
+    never reads the pipe: close() must terminate it, not wait for it forever."""
+    llm = LLM(tiny_models["gqa"], tensor_parallel_size=2, block_size=4)
+    llm.engine.add_request(PROMPTS[0], greedy(3))
+    batch = llm.engine.step().batch
+    workers = llm.engine.model_runner.workers
+    pids = [p.pid for p in workers.processes]
+    workers.send(batch.to("cpu"))  # the worker runs it alone and blocks in its first collective
+    start = time.monotonic()
+    llm.close()
+    assert time.monotonic() - start < 20 and not children_alive(pids)
+
+
 def test_interpreter_exit_stops_the_workers(tiny_models):
     """A script that never calls close() leaves no worker behind when it exits."""
     script = (f"from nanoserve import LLM\nif __name__ == '__main__':\n"
