@@ -38,8 +38,8 @@ class ModelRunner:
             if self.workers is not None:
                 join_group(self.shard, self.workers.port, device)
             self.load(config, max_model_len)
-        except BaseException:
-            self.close()
+        except BaseException as error:
+            self.stop_workers_after(error)
             raise
 
     def load(self, config: Config, max_model_len: int) -> None:
@@ -99,17 +99,21 @@ class ModelRunner:
         return sample(logits, [s.params for s in seqs], [s.num_tokens - s.num_prompt_tokens for s in seqs])
 
     def run_with_workers(self, batch: Batch) -> torch.Tensor:
-        """Rank 0's forward: the workers get the batch and run theirs alongside. A failure (or a
-        Ctrl-C) leaves the ranks out of step, so it stops them all, naming the worker at fault."""
+        """Rank 0's forward: the workers get the batch and run theirs alongside."""
         try:
             self.workers.send(batch.to("cpu"))
             return self.model(batch, self.kv_cache)
         except BaseException as error:
-            failure = self.workers.failure()
-            self.close()
-            if failure is not None:
-                raise failure from error
+            self.stop_workers_after(error)
             raise
+
+    def stop_workers_after(self, error: BaseException) -> None:
+        """An error (or a Ctrl-C) mid-collective leaves the ranks out of step: stop them all, and
+        raise the error of the worker at fault if one failed or died (else the caller re-raises)."""
+        failure = self.workers.failure() if self.workers is not None else None
+        self.close()
+        if failure is not None:
+            raise failure from error
 
     def close(self) -> None:
         """Stop the workers and leave the process group (tensor parallelism only)."""

@@ -98,6 +98,8 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 def join_group(shard: Shard, port: int, device: torch.device) -> None:
     """Every rank calls this once: one process group, gloo between CPU processes, NCCL between GPUs."""
     backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
+    if device_id is not None:
+        torch.cuda.set_device(device_id)  # collectives' (and broadcast_object_list's) current GPU
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=shard.rank,
                             world_size=shard.size, timeout=TIMEOUT, device_id=device_id)
 
