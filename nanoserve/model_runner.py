@@ -109,10 +109,11 @@ class ModelRunner:
 
     def stop_workers_after(self, error: BaseException) -> None:
         """An error (or a Ctrl-C) mid-collective leaves the ranks out of step: stop them all, and
-        raise the error of the worker at fault if one failed or died (else the caller re-raises)."""
+        raise the error of the worker at fault if one failed or died (else the caller re-raises
+        `error`: also when it is a ValueError, bad input that rank 0 found itself)."""
         failure = self.workers.failure() if self.workers is not None else None
         self.close()
-        if failure is not None:
+        if failure is not None and not isinstance(error, ValueError):
             raise failure from error
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 each rank holding only its shard, aborts, bad sizes refused, failing workers reported, nothing left
 running after close."""
 import gc
+import multiprocessing
 import os
 import signal
 import socket
@@ -129,6 +130,15 @@ def test_vocab_and_devices_are_checked(tmp_path, monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     with pytest.raises(ValueError, match="close"):
         check_tensor_parallel(2, config, torch.device("cpu"))
+
+
+def test_a_failed_start_leaves_nothing_running(tiny_models):
+    """A ValueError while rank 0 starts (here: a KV cache over free memory) stops the workers it
+    had started and leaves the process group, so the next tensor-parallel LLM can start."""
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(ValueError, match="num_kvcache_blocks"):
+        LLM(tiny_models["gqa"], tensor_parallel_size=2, num_kvcache_blocks=10**9)
+    assert {p.pid for p in multiprocessing.active_children()} == before and not dist.is_initialized()
 
 
 def test_a_worker_that_raises_is_reported_on_rank0(tiny_models):
