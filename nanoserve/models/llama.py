@@ -128,11 +128,11 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: Batch, plan: AttentionPlan | None) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [N, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [N, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads side by side get the same rotation: one pass over both, not two
+        qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)  # [N, H + Hkv, D]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [N, H, D], [N, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.attn(q, k, v, k_cache, v_cache, batch, plan)  # [N, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))  # [N, H * D] -> [N, hidden]
 
