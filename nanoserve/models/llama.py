@@ -83,16 +83,16 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq  # [N, D/2]
         # HF's "rotate_half" layout: dim j pairs with dim j + D/2, so both halves share a frequency.
-        freqs = torch.cat((freqs, freqs), dim=-1)  # [N, D]
+        freqs = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [N, 1, D]: broadcast over heads
         # cast like HF does, so q * cos runs in the model's dtype
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (j, j + D/2) pair of `x` `[N, heads, D]` by its token's angle."""
+    """Rotate each (j, j + D/2) pair of `x` `[N, heads, D]` by its token's angle (cos, sin `[N, 1, D]`)."""
     x1, x2 = x.chunk(2, dim=-1)  # [N, heads, D/2] each
     rotated = torch.cat((-x2, x1), dim=-1)  # [N, heads, D]
-    return x * cos[:, None, :] + rotated * sin[:, None, :]  # cos/sin broadcast over heads
+    return x * cos + rotated * sin
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +179,7 @@ class LlamaModel(nn.Module):
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Final hidden states `[S, hidden]` of the rows `batch.logits_indices`."""
         x = self.embed_tokens(batch.input_ids)  # [N, hidden]
-        cos, sin = self.rotary(batch.positions, x.dtype)  # [N, D] each, shared by every layer
+        cos, sin = self.rotary(batch.positions, x.dtype)  # [N, 1, D] each, shared by every layer
         # The torch backend's attention plan (which requests attend together, their blocks and
         # masks) is the same for every layer too; flash-attn needs none.
         block_size = kv_cache.shape[3]
