@@ -170,6 +170,7 @@ def test_bfloat16_load(tmp_path: Path) -> None:
     assert model.model.rotary.inv_freq.dtype == torch.float32  # RoPE angles stay float32
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PackedLinear needs a torch built with oneDNN")
 def test_packed_linears_equal_nn_linear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """bfloat16 on CPU runs its matmuls through PackedLinear (pack_linears): the same logits, bit for
     bit, as the reference nn.Linear model, for a prefill and a decode step. Catches a packed weight
