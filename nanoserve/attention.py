@@ -183,18 +183,25 @@ def plan_attention(q_lens: list[int], k_lens: list[int], block_table: Tensor, bl
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan, scale: float) -> Tensor:
     """q `[N, H, D]` -> `[N, H, D]`, attending as `plan` says. Each request's keys and values are
     copied out of the cache once (whole blocks) and read once by SDPA."""
+    if plan.num_rows == 1 and plan.decode_groups:  # one request decoding (the latency case): its
+        return attend_decode_group(q, k_cache, v_cache, plan.decode_groups[0], scale)  # rows are the output
     out = q.new_zeros(plan.num_rows, q.shape[1], v_cache.shape[-1])  # [N, H, D]
     for group in plan.decode_groups:
-        keys = gather_blocks(k_cache, group.block_table)  # [R, num_blocks * block_size, Hkv, D]
-        values = gather_blocks(v_cache, group.block_table)
-        q_group = q.index_select(0, group.rows)[:, None]       # [R, 1, H, D]
-        out.index_copy_(0, group.rows, attend(q_group, keys, values, scale, group.bias)[:, 0])
+        q_group = q.index_select(0, group.rows)  # [R, H, D]
+        out.index_copy_(0, group.rows, attend_decode_group(q_group, k_cache, v_cache, group, scale))
     for r in plan.prefill_requests:
         keys = gather_blocks(k_cache, r.block_table)[:, :r.seqlen_k]  # [1, seqlen_k, Hkv, D]
         values = gather_blocks(v_cache, r.block_table)[:, :r.seqlen_k]
         is_causal = plan.causal and r.mask is None
         out[r.start:r.end] = attend(q[None, r.start:r.end], keys, values, scale, r.mask, is_causal)[0]
     return out
+
+
+def attend_decode_group(q_group: Tensor, k_cache: Tensor, v_cache: Tensor, group: DecodeGroup, scale: float) -> Tensor:
+    """The group's rows of q `[R, H, D]` -> `[R, H, D]`, one SDPA call over their copied-out blocks."""
+    keys = gather_blocks(k_cache, group.block_table)  # [R, num_blocks * block_size, Hkv, D]
+    values = gather_blocks(v_cache, group.block_table)
+    return attend(q_group[:, None], keys, values, scale, group.bias)[:, 0]  # queries as [R, 1, H, D]
 
 
 # ----------------------------------------------------------------------------- flash-attn's two entry points

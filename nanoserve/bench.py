@@ -8,7 +8,7 @@ point: every engine runs on the same machine in the same run.
     python -m nanoserve.bench --online --rates 2,4,8     # Poisson arrivals: TTFT/TPOT vs request rate
     python -m nanoserve.bench --profile-decode 48        # where one decode step of 48 requests spends its time
     python -m nanoserve.bench --server http://127.0.0.1:8000 --rates 2,4,8   # the same load over HTTP + SSE
-    python -m nanoserve.bench --llama-cpp llama-batched-bench --gguf model.gguf --model HF_FOLDER   # vs llama.cpp
+    python -m nanoserve.bench --llama-cpp llama-batched-bench --gguf model.gguf --model HF_FOLDER   # vs llama.cpp, transformers
 """
 from __future__ import annotations
 
@@ -468,14 +468,39 @@ def run_nanoserve_batch(path: str, batch_size: int, prompt_len: int, gen_len: in
     return PeerRow("nanoserve", batch_size, 1000 * statistics.mean(decode), result.total_tok_s)
 
 
+def run_transformers_batch(path: str, batch_size: int, prompt_len: int, gen_len: int, dtype: str,
+                           vocab_size: int, seed: int) -> PeerRow:
+    """The same shape on transformers' `generate` (run_hf_generate): one static batch with no padding,
+    every prompt being prompt_len long; a decode step is the time between two generated tokens."""
+    workload = make_workload(batch_size, (prompt_len, prompt_len), (gen_len, gen_len), vocab_size, seed)
+    result = run_hf_generate(path, workload, dtype)
+    return PeerRow("transformers", batch_size, 1000 * statistics.mean(result.tpot), result.total_tok_s)
+
+
+def peer_table(rows: list[PeerRow]) -> str:
+    """One line per batch size, the engines side by side (in the order of `rows`), and nanoserve's
+    time per output token over llama.cpp's; "n/a" where an engine has no row for that B."""
+    engines = list(dict.fromkeys(r.engine for r in rows))
+    by_key = {(r.engine, r.batch_size): r for r in rows}
+    lines = ["| B | " + " | ".join(f"{e} ms/token" for e in engines) + " | "
+             + " | ".join(f"{e} total tok/s" for e in engines) + " | nanoserve ÷ llama.cpp ms/token |",
+             "|---" * (2 * len(engines) + 2) + "|"]
+    for b in sorted({r.batch_size for r in rows}):
+        cells = [by_key.get((e, b)) for e in engines]
+        ours, theirs = by_key.get(("nanoserve", b)), by_key.get(("llama.cpp", b))
+        ratio = f"{ours.ms_per_token / theirs.ms_per_token:.2f}x" if ours and theirs else "n/a"
+        lines.append(f"| {b} | " + " | ".join(f"{r.ms_per_token:.1f}" if r else "n/a" for r in cells) + " | "
+                     + " | ".join(f"{r.total_tok_s:.0f}" if r else "n/a" for r in cells) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
 def compare_llama_cpp(binary: str, gguf: str, path: str, batch_sizes: list[int], prompt_len: int, gen_len: int,
-                      dtype: str, vocab_size: int, seed: int) -> str:
+                      dtype: str, vocab_size: int, seed: int, with_transformers: bool = True) -> str:
     rows = run_llama_cpp(binary, gguf, batch_sizes, prompt_len, gen_len, torch.get_num_threads())
     rows += [run_nanoserve_batch(path, b, prompt_len, gen_len, dtype, vocab_size, seed) for b in batch_sizes]
-    lines = ["| engine | B | ms per output token | total tok/s |", "|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: r.batch_size):  # stable: llama.cpp, then nanoserve, per B
-        lines.append(f"| {r.engine} | {r.batch_size} | {r.ms_per_token:.1f} | {r.total_tok_s:.0f} |")
-    return "\n".join(lines)
+    if with_transformers:
+        rows += [run_transformers_batch(path, b, prompt_len, gen_len, dtype, vocab_size, seed) for b in batch_sizes]
+    return peer_table(rows)
 
 
 def compare_tensor_parallel(path: str, workload: list[Request], config: dict, size: int) -> str:
@@ -523,6 +548,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-sizes", default="1,8,64", help="with --llama-cpp: B requests decoding together")
     p.add_argument("--prompt-len", type=int, default=128, help="with --llama-cpp: prompt tokens per request")
     p.add_argument("--gen-len", type=int, default=128, help="with --llama-cpp: generated tokens per request")
+    p.add_argument("--no-transformers", action="store_true",
+                   help="with --llama-cpp: leave out transformers' generate on the same shape")
     p.add_argument("--rates", default="1,2,4,8", help="with --online or --server: request rates (req/s)")
     p.add_argument("--api-key", help="with --server: sent as a Bearer token")
     args = p.parse_args(argv)
@@ -541,10 +568,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.llama_cpp:
         if not args.gguf:
             raise SystemExit("--llama-cpp needs --gguf, the same model in GGUF")
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (both engines), {args.dtype}; "
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (every engine), {args.dtype}; "
               f"{args.prompt_len} prompt + {args.gen_len} generated tokens per request")
         print(compare_llama_cpp(args.llama_cpp, args.gguf, path, [int(b) for b in args.batch_sizes.split(",")],
-                                args.prompt_len, args.gen_len, args.dtype, vocab, args.seed))
+                                args.prompt_len, args.gen_len, args.dtype, vocab, args.seed, not args.no_transformers))
         return
     workload = make_workload(args.num_requests, span(args.input_len), span(args.output_len), vocab, args.seed)
     config = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,

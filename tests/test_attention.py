@@ -123,7 +123,7 @@ TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(ato
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows, num_groups", [(5, 1), (20, 3), (50, 7)])
+@pytest.mark.parametrize("num_rows, num_groups", [(1, 1), (5, 1), (20, 3), (50, 7)])  # 1: attend_one_request
 def test_decode_length_groups_match_plain_reference(num_rows: int, num_groups: int, dtype: torch.dtype):
     # contexts of 1..70 tokens in random order: each length group is padded to its own longest,
     # so a group cut to the wrong length drops keys of some row

@@ -7,8 +7,8 @@ import httpx
 
 import nanoserve
 from nanoserve import LLMEngine
-from nanoserve.bench import (Machine, ModelShape, PeerRow, Step, main, make_workload, parse_batched_bench, step_limit,
-                             stream_completion)
+from nanoserve.bench import (Machine, ModelShape, PeerRow, Step, main, make_workload, parse_batched_bench, peer_table,
+                             run_transformers_batch, step_limit, stream_completion)
 from nanoserve.config import Config
 from nanoserve.serve import ServerThread, build_app
 
@@ -92,3 +92,17 @@ def test_llama_cpp_output_is_parsed_per_batch_size(capsys):
         assert "not found" in str(error)
     else:
         raise AssertionError("a missing binary must stop the run")
+
+
+# Catches: a batch size llama.cpp skipped (its sequences did not fit its context) shifting the other
+# engines' numbers into its column, and the nanoserve / llama.cpp ratio taken upside down.
+def test_peer_table_puts_each_engine_in_its_own_column(tiny_models):
+    rows = [PeerRow("llama.cpp", 1, 20.0, 100.0), PeerRow("nanoserve", 1, 30.0, 60.0),
+            PeerRow("nanoserve", 64, 200.0, 500.0), run_transformers_batch(tiny_models["gqa"], 2, 4, 3, "float32", 256, 0)]
+    lines = peer_table(rows).splitlines()
+    assert lines[0] == ("| B | llama.cpp ms/token | nanoserve ms/token | transformers ms/token | llama.cpp total tok/s | "
+                        "nanoserve total tok/s | transformers total tok/s | nanoserve ÷ llama.cpp ms/token |")
+    assert lines[2] == "| 1 | 20.0 | 30.0 | n/a | 100 | 60 | n/a | 1.50x |"
+    assert lines[3].startswith("| 2 | n/a | n/a | ") and lines[3].endswith(" | n/a |")  # transformers only
+    assert lines[4] == "| 64 | n/a | 200.0 | n/a | n/a | 500 | n/a | n/a |"
+    assert rows[-1].ms_per_token > 0 and rows[-1].total_tok_s > 0

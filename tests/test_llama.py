@@ -21,7 +21,8 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from nanoserve.batch import Batch
 from nanoserve.model_runner import resolve_dtype
-from nanoserve.models.llama import load_model
+from nanoserve.models import llama
+from nanoserve.models.llama import PackedLinear, load_model
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -167,6 +168,26 @@ def test_bfloat16_load(tmp_path: Path) -> None:
     model = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert model.model.rotary.inv_freq.dtype == torch.float32  # RoPE angles stay float32
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PackedLinear needs a torch built with oneDNN")
+def test_packed_linears_equal_nn_linear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 on CPU runs its matmuls through PackedLinear (pack_linears): the same logits, bit for
+    bit, as the reference nn.Linear model, for a prefill and a decode step. Catches a packed weight
+    that is transposed, rounded or lost its tie to the embedding."""
+    save_llama(tmp_path, tie_word_embeddings=True)
+    packed = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
+    monkeypatch.setattr(llama, "pack_linears", lambda model: model)  # the reference: plain nn.Linear
+    plain = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
+    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 2 * 4 + 1  # 4 per layer + lm_head
+    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+    logits = []
+    for model in (packed, plain):
+        kv_cache = empty_kv_cache(model).bfloat16()
+        with torch.inference_mode():
+            prefill = model(make_batch([PROMPT]), kv_cache)
+            logits.append(torch.cat([prefill, model(make_batch([[42]], cached=[len(PROMPT)]), kv_cache)]))
+    assert torch.equal(logits[0], logits[1])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -84,16 +84,16 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq  # [N, D/2]
         # HF's "rotate_half" layout: dim j pairs with dim j + D/2, so both halves share a frequency.
-        freqs = torch.cat((freqs, freqs), dim=-1)  # [N, D]
+        freqs = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [N, 1, D]: broadcast over heads
         # cast like HF does, so q * cos runs in the model's dtype
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (j, j + D/2) pair of `x` `[N, heads, D]` by its token's angle."""
+    """Rotate each (j, j + D/2) pair of `x` `[N, heads, D]` by its token's angle (cos, sin `[N, 1, D]`)."""
     x1, x2 = x.chunk(2, dim=-1)  # [N, heads, D/2] each
     rotated = torch.cat((-x2, x1), dim=-1)  # [N, heads, D]
-    return x * cos[:, None, :] + rotated * sin[:, None, :]  # cos/sin broadcast over heads
+    return x * cos + rotated * sin
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,11 +131,11 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: Batch, plan: AttentionPlan | None) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [N, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [N, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads side by side get the same rotation: one pass over both, not two
+        qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)  # [N, H + Hkv, D]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [N, H, D], [N, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.attn(q, k, v, k_cache, v_cache, batch, plan)  # [N, H, D]
         out = self.o_proj(out.reshape(-1, self.q_size))  # [N, H * D] -> [N, hidden]
         return all_reduce(out, self.shard)  # the sum over every rank's heads
@@ -186,7 +186,7 @@ class LlamaModel(nn.Module):
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Final hidden states `[S, hidden]` of the rows `batch.logits_indices`."""
         x = embed(batch.input_ids, self.embed_tokens.weight, self.shard)  # [N, hidden]
-        cos, sin = self.rotary(batch.positions, x.dtype)  # [N, D] each, shared by every layer
+        cos, sin = self.rotary(batch.positions, x.dtype)  # [N, 1, D] each, shared by every layer
         # The torch backend's attention plan (which requests attend together, their blocks and
         # masks) is the same for every layer too; flash-attn needs none.
         block_size = kv_cache.shape[3]
@@ -243,7 +243,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_ba
         setattr(model.get_submodule(module_name), leaf, weight)
     if config.tie_word_embeddings:  # tied: lm_head.weight is the embedding matrix, not a copy
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.to(device).eval()  # moves the RoPE cache; parameters are already there
+    return pack_linears(model.to(device).eval())  # .to moves the RoPE cache; parameters are already there
 
 
 def layout_for_matmul(weight: torch.Tensor) -> torch.Tensor:
@@ -254,6 +254,33 @@ def layout_for_matmul(weight: torch.Tensor) -> torch.Tensor:
     if weight.device.type == "cpu" and weight.dtype == torch.float32:
         return weight.t().contiguous().t()  # [out, in], strides (1, out)
     return weight
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear without bias, its weight laid out once in oneDNN's own blocked format: the same
+    products bit for bit, but in bfloat16 on CPU measured 1.4-2x faster for the 1-8 rows of a decode
+    step, and no slower for a prefill. The packed weight is opaque (only this reads it) and a copy:
+    a tied lm_head keeps the embedding matrix and gets its own packed one."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())  # [out, in]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> nn.Module:
+    """The speed path for bfloat16 on CPU: every nn.Linear (the reference formulation, kept for every
+    other dtype and device) becomes a PackedLinear. SmolLM2-135M, one request decoding on 2 cores: the
+    step's matmuls 21 -> 16 ms. float32 gains nothing from it (MKL's GEMM, see layout_for_matmul)."""
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or module.bias is not None or not torch.backends.mkldnn.is_available():
+            continue
+        if module.weight.device.type == "cpu" and module.weight.dtype == torch.bfloat16:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, PackedLinear(module))
+    return model
 
 
 def read_config(path: str) -> PretrainedConfig:
