@@ -6,7 +6,7 @@ attention inputs: no globals.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,11 +36,6 @@ class Batch:
     logits_indices: torch.Tensor   # [S] int64, rows of the last token of each request that samples now
     max_query_len: int
     max_seq_len: int
-
-    def to(self, device: torch.device | str) -> Batch:
-        """The same batch with its tensors on `device` (for a tensor-parallel worker)."""
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
-                                if isinstance(getattr(self, f.name), torch.Tensor)})
 
     @property
     def is_decode_only(self) -> bool:

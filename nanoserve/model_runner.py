@@ -101,7 +101,7 @@ class ModelRunner:
     def run_with_workers(self, batch: Batch) -> torch.Tensor:
         """Rank 0's forward: the workers get the batch and run theirs alongside."""
         try:
-            self.workers.send(batch.to("cpu"))
+            self.workers.send(batch)
             return self.model(batch, self.kv_cache)
         except BaseException as error:
             self.stop_workers_after(error)

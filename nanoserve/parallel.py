@@ -21,14 +21,16 @@ from __future__ import annotations
 import signal
 import socket
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import PretrainedConfig
 
+from nanoserve.batch import Batch
 from nanoserve.config import Config
 
 # A collective that waits longer than this raises on every rank still alive: a hung rank becomes an
@@ -130,12 +132,15 @@ class Workers:
             self.pipes.append(pipe)
             self.processes.append(process)
 
-    def send(self, batch: object) -> None:
-        """The next step's `Batch` (on the CPU) to every worker."""
+    def send(self, batch: Batch) -> None:
+        """The next step's `Batch` to every worker, as numpy arrays: they pickle in microseconds,
+        where tensors would each go through a shared-memory file (milliseconds a step)."""
         if not self.processes:
             raise RuntimeError("the tensor-parallel workers are stopped (closed, or after an error): create a new LLM")
+        arrays = {f.name: value.cpu().numpy() if isinstance(value := getattr(batch, f.name), torch.Tensor) else value
+                  for f in fields(batch)}
         for pipe in self.pipes:
-            pipe.send(batch)
+            pipe.send(arrays)
 
     def failure(self) -> RuntimeError | None:
         """After a step failed on rank 0: the error of the worker that failed or died, if one did."""
@@ -177,8 +182,10 @@ def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: o
     try:
         join_group(Shard(rank, config.tensor_parallel_size), port, device)
         runner = ModelRunner(config, device, max_model_len, rank)
-        while (batch := pipe.recv()) is not None:
-            runner.run(batch.to(device), [])
+        while (arrays := pipe.recv()) is not None:
+            batch = Batch(**{name: torch.from_numpy(value).to(device) if isinstance(value, np.ndarray) else value
+                             for name, value in arrays.items()})
+            runner.run(batch, [])
     except EOFError:  # rank 0 is gone
         pass
     except BaseException:

@@ -4,6 +4,7 @@ import json
 import time
 
 import httpx
+import torch
 
 import nanoserve
 from nanoserve import LLMEngine
@@ -28,6 +29,21 @@ def test_online_mode_runs(tiny_models, capsys):
           "--kv-cache-tokens", "128", "--online", "--rates", "50"])
     table = capsys.readouterr().out
     assert "| continuous | 50 |" in table and "| static | 50 |" in table
+
+
+def test_tensor_parallel_mode_compares_one_process_with_two_ranks(tiny_models, capsys):
+    """Three rows, the middle one (1 process, 2x the threads) the baseline; catches a table that
+    drops a setup, a ratio against the wrong row, or a thread count left changed afterwards."""
+    threads = torch.get_num_threads()
+    try:
+        main(["--model", tiny_models["gqa"], "--num-requests", "2", "--input-len", "4-8", "--output-len", "3-5",
+              "--kv-cache-tokens", "128", "--threads", "1", "--tensor-parallel", "2"])
+        assert torch.get_num_threads() == 1  # --threads 1, restored after the 1 x 2 run
+    finally:
+        torch.set_num_threads(threads)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and " x " in line[:8]]
+    assert [row.split(" | ")[0] for row in rows] == ["| 1 x 1", "| 1 x 2", "| 2 x 1"]
+    assert rows[1].endswith("| 1.00x |")
 
 
 def test_bfloat16_run_reports_the_roofline_by_phase(tiny_models, capsys):

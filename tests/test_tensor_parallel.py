@@ -147,7 +147,7 @@ def test_a_worker_that_raises_is_reported_on_rank0(tiny_models):
     llm = LLM(tiny_models["gqa"], tensor_parallel_size=2, block_size=4)
     runner = llm.engine.model_runner
     pids = [p.pid for p in runner.workers.processes]
-    runner.workers.send("not a batch")  # the worker fails on it: a str has no .to(device)
+    runner.workers.pipes[0].send("not a batch")  # the worker fails on it: a str has no .items()
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="worker 1 failed(.|\n)*AttributeError"):
         llm.generate([PROMPTS[0]], greedy(3), use_tqdm=False)
@@ -189,7 +189,7 @@ def test_close_stops_a_worker_stuck_in_a_collective(tiny_models):
     batch = llm.engine.step().batch
     workers = llm.engine.model_runner.workers
     pids = [p.pid for p in workers.processes]
-    workers.send(batch.to("cpu"))  # the worker runs it alone and blocks in its first collective
+    workers.send(batch)  # the worker runs it alone and blocks in its first collective
     start = time.monotonic()
     llm.close()
     assert time.monotonic() - start < 20 and not children_alive(pids)
