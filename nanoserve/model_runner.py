@@ -8,17 +8,17 @@ from __future__ import annotations
 import json
 import re
 import warnings
+import weakref
 from pathlib import Path
 
 import psutil
 import torch
-import torch.distributed as dist
 
 from nanoserve.attention import select_backend
 from nanoserve.batch import Batch
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config
 from nanoserve.models.llama import load_model
-from nanoserve.parallel import Shard, Workers, broadcast_from_rank0, join_group
+from nanoserve.parallel import Shard, Workers, broadcast_from_rank0, join_group, shut_down
 from nanoserve.sampler import sample
 from nanoserve.sequence import Sequence
 
@@ -31,9 +31,11 @@ class ModelRunner:
     def __init__(self, config: Config, device: torch.device, max_model_len: int, rank: int = 0) -> None:
         self.device = device
         self.shard = Shard(rank, config.tensor_parallel_size)
-        self.workers = None
+        self.workers, self.shut_down = None, lambda: None  # shut_down: what close() does
         if self.shard.size > 1 and rank == 0:
             self.workers = Workers(config, max_model_len, device)
+            # at close(), or once this runner is garbage (an LLM dropped without close()); only once
+            self.shut_down = weakref.finalize(self, shut_down, self.workers)
         try:
             if self.workers is not None:
                 join_group(self.shard, self.workers.port, device)
@@ -117,11 +119,8 @@ class ModelRunner:
             raise failure from error
 
     def close(self) -> None:
-        """Stop the workers and leave the process group (tensor parallelism only)."""
-        if self.workers is not None:
-            self.workers.close()
-        if self.shard.size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        """Stop the workers and leave the process group (tensor parallelism on rank 0 only)."""
+        self.shut_down()
 
 
 def resolve_dtype(name: str, device: torch.device, model: str | None = None,

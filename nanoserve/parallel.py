@@ -18,6 +18,7 @@ With tensor_parallel_size 1 none of this runs: no process group, no process, `al
 """
 from __future__ import annotations
 
+import gc
 import signal
 import socket
 import traceback
@@ -82,6 +83,8 @@ def check_tensor_parallel(size: int, hf_config: PretrainedConfig, device: torch.
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         if getattr(hf_config, name) % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide the model's {name}={getattr(hf_config, name)}")
+    if size > 1 and dist.is_initialized():
+        gc.collect()  # an LLM dropped without close() leaves the group once it is collected
     if size > 1 and dist.is_initialized():
         raise ValueError("this process already has a torch.distributed process group (another LLM with "
                          "tensor_parallel_size > 1 still open?): close() that one first")
@@ -168,6 +171,13 @@ class Workers:
                 process.terminate()
                 process.join()
         self.pipes, self.processes = [], []
+
+
+def shut_down(workers: Workers) -> None:
+    """Rank 0's end of tensor parallelism: stop the workers, leave the process group."""
+    workers.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: object,

@@ -195,6 +195,18 @@ def test_close_stops_a_worker_stuck_in_a_collective(tiny_models):
     assert time.monotonic() - start < 20 and not children_alive(pids)
 
 
+def test_an_llm_dropped_without_close_makes_room_for_the_next(tiny_models):
+    """As with vLLM, users rarely call close(): a tensor-parallel LLM that is garbage stops its
+    workers and leaves the process group, so the next one starts instead of raising."""
+    first = LLM(tiny_models["gqa"], tensor_parallel_size=2, block_size=4)
+    pids = [p.pid for p in first.engine.model_runner.workers.processes]
+    del first
+    second = LLM(tiny_models["gqa"], tensor_parallel_size=2, block_size=4)
+    assert not children_alive(pids)
+    assert second.generate([PROMPTS[1]], greedy(4), use_tqdm=False)[0].token_ids == reference(tiny_models["gqa"])[1][:4]
+    second.close()
+
+
 def test_interpreter_exit_stops_the_workers(tiny_models):
     """A script that never calls close() leaves no worker behind when it exits."""
     script = (f"from nanoserve import LLM\nif __name__ == '__main__':\n"
