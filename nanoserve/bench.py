@@ -505,19 +505,21 @@ def compare_llama_cpp(binary: str, gguf: str, path: str, batch_sizes: list[int],
 
 def compare_tensor_parallel(path: str, workload: list[Request], config: dict, size: int) -> str:
     """The same workload on one process with T and size*T threads, and on `size` ranks of T threads
-    each (T: torch's threads now): the same cores, split two ways."""
+    each (T: torch's threads now; the ranks split their process's size*T): the same cores, two ways."""
     threads = torch.get_num_threads()
-    setups = [(1, threads), (1, size * threads), (size, threads)]
+    setups = [(1, threads), (1, size * threads), (size, threads)]  # (ranks, threads per rank)
     lines = ["| ranks x threads | seconds | total tok/s | decode step (median ms) | vs 1 x "
              f"{size * threads} |", "|---|---|---|---|---|"]
     results = []
-    for ranks, num_threads in setups:
-        torch.set_num_threads(num_threads)  # workers start with rank 0's count
-        results.append(run_nanoserve(path, workload, "continuous", tensor_parallel_size=ranks, **config))
-    torch.set_num_threads(threads)
-    for (ranks, num_threads), r in zip(setups, results):
+    try:
+        for ranks, per_rank in setups:
+            torch.set_num_threads(ranks * per_rank)  # with ranks > 1, rank 0 gives each rank 1/ranks of them
+            results.append(run_nanoserve(path, workload, "continuous", tensor_parallel_size=ranks, **config))
+    finally:
+        torch.set_num_threads(threads)
+    for (ranks, per_rank), r in zip(setups, results):
         decode = statistics.median(s.seconds for s in r.steps if s.phase == "decode") * 1000
-        lines.append(f"| {ranks} x {num_threads} | {r.seconds:.2f} | {r.total_tok_s:.0f} | {decode:.1f} | "
+        lines.append(f"| {ranks} x {per_rank} | {r.seconds:.2f} | {r.total_tok_s:.0f} | {decode:.1f} | "
                      f"{results[1].seconds / r.seconds:.2f}x |")
     return "\n".join(lines)
 

@@ -97,18 +97,22 @@ class LLMEngine:
                              f"and than 256, flash-attn's page size")
         check_tensor_parallel(config.tensor_parallel_size, hf_config, self.device)
         self.model_runner = ModelRunner(config, self.device, self.max_model_len)
-        self.vocab_size = self.model_runner.model.vocab_size
-        num_blocks = self.model_runner.num_blocks
-        if num_blocks - 1 < -(-self.max_model_len // config.block_size):
-            raise ValueError(
-                f"the KV cache has {num_blocks - 1} usable blocks of {config.block_size} slots "
-                f"({(num_blocks - 1) * config.block_size} tokens), too few for one request of "
-                f"max_model_len={self.max_model_len} tokens: raise num_kvcache_blocks or lower max_model_len")
-        self.tokenizer = load_tokenizer(config.model)
-        self.scheduler = Scheduler(config, num_blocks, self.max_model_len, read_eos_token_ids(config.model, hf_config))
-        self.requests: dict[str, Sequence] = {}  # unfinished requests by id
-        self.aborted: list[RequestOutput] = []   # aborted since the last step, reported by the next
-        self.request_counter = itertools.count()
+        try:  # with tensor parallelism, a failure from here on must stop the workers just started
+            self.vocab_size = self.model_runner.model.vocab_size
+            num_blocks = self.model_runner.num_blocks
+            if num_blocks - 1 < -(-self.max_model_len // config.block_size):
+                raise ValueError(
+                    f"the KV cache has {num_blocks - 1} usable blocks of {config.block_size} slots "
+                    f"({(num_blocks - 1) * config.block_size} tokens), too few for one request of "
+                    f"max_model_len={self.max_model_len} tokens: raise num_kvcache_blocks or lower max_model_len")
+            self.tokenizer = load_tokenizer(config.model)
+            self.scheduler = Scheduler(config, num_blocks, self.max_model_len, read_eos_token_ids(config.model, hf_config))
+            self.requests: dict[str, Sequence] = {}  # unfinished requests by id
+            self.aborted: list[RequestOutput] = []   # aborted since the last step, reported by the next
+            self.request_counter = itertools.count()
+        except BaseException:
+            self.model_runner.close()
+            raise
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import psutil
 import torch
+import torch.distributed as dist
 
 from nanoserve.attention import select_backend
 from nanoserve.batch import Batch
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config
 from nanoserve.models.llama import load_model
-from nanoserve.parallel import Shard, Workers, broadcast_from_rank0, join_group, shut_down
+from nanoserve.parallel import Shard, Workers, broadcast_from_rank0, join_group, rank_device, shut_down
 from nanoserve.sampler import sample
 from nanoserve.sequence import Sequence
 
@@ -28,18 +29,24 @@ class ModelRunner:
     parallelism (parallel.py) every rank has one, holding its shard; rank 0's also starts and
     drives the workers, and samples."""
 
-    def __init__(self, config: Config, device: torch.device, max_model_len: int, rank: int = 0) -> None:
-        self.device = device
+    def __init__(self, config: Config, device: torch.device, max_model_len: int, rank: int = 0,
+                 store: dist.TCPStore | None = None) -> None:
         self.shard = Shard(rank, config.tensor_parallel_size)
-        self.workers, self.shut_down = None, lambda: None  # shut_down: what close() does
+        self.device = rank_device(device, rank) if self.shard.size > 1 else device
+        self.workers, self.release = None, lambda: None  # release: what close() does
         if self.shard.size > 1 and rank == 0:
             self.workers = Workers(config, max_model_len, device)
+            store = self.workers.store
             # at close(), or once this runner is garbage (an LLM dropped without close()); only once
-            self.shut_down = weakref.finalize(self, shut_down, self.workers)
+            self.release = weakref.finalize(self, shut_down, self.workers)
         try:
             if self.workers is not None:
-                join_group(self.shard, self.workers.port, device)
+                self.workers.wait_until_started()
+            if self.shard.size > 1:
+                join_group(self.shard, store, self.device)
             self.load(config, max_model_len)
+            if self.shard.size > 1:
+                dist.barrier()  # every rank has its shard and cache: a worker's failure shows here
         except BaseException as error:
             self.stop_workers_after(error)
             raise
@@ -120,7 +127,7 @@ class ModelRunner:
 
     def close(self) -> None:
         """Stop the workers and leave the process group (tensor parallelism on rank 0 only)."""
-        self.shut_down()
+        self.release()
 
 
 def resolve_dtype(name: str, device: torch.device, model: str | None = None,

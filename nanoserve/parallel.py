@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gc
 import signal
-import socket
 import traceback
 from dataclasses import dataclass, fields
 from datetime import timedelta
@@ -35,7 +34,8 @@ from nanoserve.batch import Batch
 from nanoserve.config import Config
 
 # A collective that waits longer than this raises on every rank still alive: a hung rank becomes an
-# error, never a hang. A rank that dies or raises is noticed at once (its sockets close).
+# error, never a hang. With gloo (CPU), a rank that dies or raises is noticed at once (its sockets
+# close); NCCL notices only at this timeout.
 TIMEOUT = timedelta(minutes=2)
 
 
@@ -100,13 +100,14 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
 
 
-def join_group(shard: Shard, port: int, device: torch.device) -> None:
-    """Every rank calls this once: one process group, gloo between CPU processes, NCCL between GPUs."""
+def join_group(shard: Shard, store: dist.TCPStore, device: torch.device) -> None:
+    """Every rank calls this once: one process group, gloo between CPU processes, NCCL between GPUs,
+    meeting at rank 0's TCPStore. `device` has its index on CUDA (see rank_device)."""
     backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
     if device_id is not None:
         torch.cuda.set_device(device_id)  # collectives' (and broadcast_object_list's) current GPU
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=shard.rank,
-                            world_size=shard.size, timeout=TIMEOUT, device_id=device_id)
+    dist.init_process_group(backend, store=store, rank=shard.rank, world_size=shard.size, timeout=TIMEOUT,
+                            device_id=device_id)
 
 
 def broadcast_from_rank0(value: object) -> object:
@@ -120,9 +121,12 @@ class Workers:
     """Ranks 1..N-1, each a process running `run_worker`, driven by rank 0 over one pipe each."""
 
     def __init__(self, config: Config, max_model_len: int, device: torch.device) -> None:
-        with socket.socket() as s:  # a free port for the group's rendezvous (held by rank 0)
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        # The group's meeting point, on a port the system picks: rank 0 serves it, workers connect
+        self.store = dist.TCPStore("127.0.0.1", 0, config.tensor_parallel_size, is_master=True,
+                                   wait_for_workers=False, timeout=TIMEOUT)
+        self.port = self.store.port
+        if device.type == "cpu":  # the ranks share the cores: each takes 1/N of this process's threads
+            torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
         # spawn, not fork: a fork of a process running OpenMP or CUDA threads can deadlock
         context = mp.get_context("spawn")
         self.pipes, self.processes = [], []
@@ -134,6 +138,20 @@ class Workers:
             child_end.close()  # ours closed, so a worker's death reads as EOF here
             self.pipes.append(pipe)
             self.processes.append(process)
+
+    def wait_until_started(self) -> None:
+        """Each worker says "started" just before joining the group: one that fails or dies first
+        is an error now, not after rank 0 has waited TIMEOUT for it in the group's rendezvous."""
+        for rank, (pipe, process) in enumerate(zip(self.pipes, self.processes), start=1):
+            while process.is_alive() and not pipe.poll(0.1):
+                pass
+            try:
+                message = pipe.recv()  # "started", or the traceback of a failure
+            except (EOFError, OSError):
+                process.join(timeout=1)
+                message = f"it died (exit code {process.exitcode})"
+            if message != "started":
+                raise RuntimeError(f"tensor-parallel worker {rank} failed to start:\n{message}")
 
     def send(self, batch: Batch) -> None:
         """The next step's `Batch` to every worker, as numpy arrays: they pickle in microseconds,
@@ -170,14 +188,16 @@ class Workers:
             if process.is_alive():
                 process.terminate()
                 process.join()
-        self.pipes, self.processes = [], []
+        self.pipes, self.processes, self.store = [], [], None  # the store's port is free once collected
 
 
 def shut_down(workers: Workers) -> None:
     """Rank 0's end of tensor parallelism: stop the workers, leave the process group."""
-    workers.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    try:
+        workers.close()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: object,
@@ -188,18 +208,21 @@ def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: o
     from nanoserve.model_runner import ModelRunner  # here: model_runner imports this module
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     torch.set_num_threads(num_threads)
-    device = rank_device(device, rank)
     try:
-        join_group(Shard(rank, config.tensor_parallel_size), port, device)
-        runner = ModelRunner(config, device, max_model_len, rank)
+        store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=TIMEOUT)
+        pipe.send("started")
+        runner = ModelRunner(config, device, max_model_len, rank, store)
         while (arrays := pipe.recv()) is not None:
-            batch = Batch(**{name: torch.from_numpy(value).to(device) if isinstance(value, np.ndarray) else value
-                             for name, value in arrays.items()})
+            batch = Batch(**{name: torch.from_numpy(value).to(runner.device) if isinstance(value, np.ndarray)
+                             else value for name, value in arrays.items()})
             runner.run(batch, [])
     except EOFError:  # rank 0 is gone
         pass
     except BaseException:
-        pipe.send(traceback.format_exc())
+        try:
+            pipe.send(traceback.format_exc())
+        except OSError:  # rank 0 is gone too
+            pass
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

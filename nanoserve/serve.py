@@ -354,7 +354,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        workers = engine.model_runner.workers  # tensor parallelism: stopped after a failed step, for good
+        return Response(status_code=503 if workers is not None and not workers.processes else 200)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -18,7 +18,8 @@ import conftest
 from conftest import greedy
 from nanoserve import LLM
 from nanoserve.models.llama import load_model
-from nanoserve.parallel import Shard, check_tensor_parallel
+from nanoserve.config import Config
+from nanoserve.parallel import Shard, Workers, check_tensor_parallel
 from nanoserve.models.llama import read_config
 from test_engine import MAX_TOKENS, PROMPTS
 
@@ -139,6 +140,40 @@ def test_a_failed_start_leaves_nothing_running(tiny_models):
     with pytest.raises(ValueError, match="num_kvcache_blocks"):
         LLM(tiny_models["gqa"], tensor_parallel_size=2, num_kvcache_blocks=10**9)
     assert {p.pid for p in multiprocessing.active_children()} == before and not dist.is_initialized()
+
+
+def test_a_failed_engine_start_after_the_runner_stops_the_workers(tiny_models):
+    """The engine's own checks run after the workers started (here: a cache too small for one
+    request): they must stop them too, or the next tensor-parallel LLM could not start."""
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(ValueError, match="too few for one request"):
+        LLM(tiny_models["gqa"], tensor_parallel_size=2, block_size=4, num_kvcache_blocks=3, max_model_len=64)
+    assert {p.pid for p in multiprocessing.active_children()} == before and not dist.is_initialized()
+
+
+def test_a_worker_that_dies_before_joining_is_reported_at_once(tiny_models):
+    """Rank 0 must not wait in the group's rendezvous (2 minutes) for a worker that is already dead."""
+    config = Config(tiny_models["gqa"], tensor_parallel_size=2)
+    workers = Workers(config, 256, torch.device("cpu"))
+    os.kill(workers.processes[0].pid, signal.SIGKILL)  # long before it says "started" (spawning takes seconds)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker 1 failed to start(.|\n)*died"):
+        workers.wait_until_started()
+    assert time.monotonic() - start < 10
+    workers.close()
+
+
+def test_each_rank_takes_its_share_of_the_threads(tiny_models):
+    """Two ranks on a CPU share its cores: oversubscribed OpenMP threads spin against each other
+    (on this machine a step became 20x slower), so rank 0 halves its threads and the worker gets as many."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with LLM(tiny_models["gqa"], tensor_parallel_size=2, block_size=4) as llm:
+            assert torch.get_num_threads() == 1
+            assert llm.generate([PROMPTS[1]], greedy(4), use_tqdm=False)[0].token_ids == reference(tiny_models["gqa"])[1][:4]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_worker_that_raises_is_reported_on_rank0(tiny_models):

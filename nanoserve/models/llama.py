@@ -270,12 +270,17 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
 
 
+def has_onednn_bf16() -> bool:
+    """oneDNN's bfloat16 kernels need AVX512 (or AVX-NE-CONVERT) on x86: elsewhere, nn.Linear."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def pack_linears(model: nn.Module) -> nn.Module:
     """The speed path for bfloat16 on CPU: every nn.Linear (the reference formulation, kept for every
     other dtype and device) becomes a PackedLinear. SmolLM2-135M, one request decoding on 2 cores: the
     step's matmuls 21 -> 16 ms. float32 gains nothing from it (MKL's GEMM, see layout_for_matmul)."""
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or module.bias is not None or not torch.backends.mkldnn.is_available():
+        if not isinstance(module, nn.Linear) or module.bias is not None or not has_onednn_bf16():
             continue
         if module.weight.device.type == "cpu" and module.weight.dtype == torch.bfloat16:
             parent, _, leaf = name.rpartition(".")
