@@ -124,7 +124,6 @@ class Workers:
         # The group's meeting point, on a port the system picks: rank 0 serves it, workers connect
         self.store = dist.TCPStore("127.0.0.1", 0, config.tensor_parallel_size, is_master=True,
                                    wait_for_workers=False, timeout=TIMEOUT)
-        self.port = self.store.port
         if device.type == "cpu":  # the ranks share the cores: each takes 1/N of this process's threads
             torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
         # spawn, not fork: a fork of a process running OpenMP or CUDA threads can deadlock
@@ -132,26 +131,35 @@ class Workers:
         self.pipes, self.processes = [], []
         for rank in range(1, config.tensor_parallel_size):
             pipe, child_end = context.Pipe()
-            args = (config, max_model_len, rank, self.port, child_end, device, torch.get_num_threads())
+            args = (config, max_model_len, rank, self.store.port, child_end, device, torch.get_num_threads())
             process = context.Process(target=run_worker, args=args, daemon=True)  # daemon: ends with us
             process.start()
             child_end.close()  # ours closed, so a worker's death reads as EOF here
             self.pipes.append(pipe)
             self.processes.append(process)
 
+    def report(self, rank: int, wait: float = 0.0) -> str | None:
+        """What worker `rank` says within `wait` seconds: "started", "failed:" and its traceback,
+        "died (exit code N)" if it is gone without a word, or None while it runs silently."""
+        pipe, process = self.pipes[rank - 1], self.processes[rank - 1]
+        try:
+            if pipe.poll(wait):
+                return pipe.recv()
+        except (EOFError, OSError):  # its end of the pipe closed: it died
+            pass
+        if process.is_alive():
+            return None
+        process.join()
+        return f"died (exit code {process.exitcode})"
+
     def wait_until_started(self) -> None:
         """Each worker says "started" just before joining the group: one that fails or dies first
         is an error now, not after rank 0 has waited TIMEOUT for it in the group's rendezvous."""
-        for rank, (pipe, process) in enumerate(zip(self.pipes, self.processes), start=1):
-            while process.is_alive() and not pipe.poll(0.1):
+        for rank in range(1, len(self.processes) + 1):
+            while (message := self.report(rank, wait=0.1)) is None:
                 pass
-            try:
-                message = pipe.recv()  # "started", or the traceback of a failure
-            except (EOFError, OSError):
-                process.join(timeout=1)
-                message = f"it died (exit code {process.exitcode})"
             if message != "started":
-                raise RuntimeError(f"tensor-parallel worker {rank} failed to start:\n{message}")
+                raise RuntimeError(f"tensor-parallel worker {rank} failed to start: {message}")
 
     def send(self, batch: Batch) -> None:
         """The next step's `Batch` to every worker, as numpy arrays: they pickle in microseconds,
@@ -165,15 +173,10 @@ class Workers:
 
     def failure(self) -> RuntimeError | None:
         """After a step failed on rank 0: the error of the worker that failed or died, if one did."""
-        for rank, (pipe, process) in enumerate(zip(self.pipes, self.processes), start=1):
+        for rank, process in enumerate(self.processes, start=1):
             process.join(timeout=1)  # a failing worker reports, then exits
-            try:
-                if pipe.poll():
-                    return RuntimeError(f"tensor-parallel worker {rank} failed:\n{pipe.recv()}")
-            except (EOFError, OSError):  # it died without a word
-                pass
-            if not process.is_alive():
-                return RuntimeError(f"tensor-parallel worker {rank} died (exit code {process.exitcode})")
+            if (message := self.report(rank)) is not None:
+                return RuntimeError(f"tensor-parallel worker {rank} {message}")
         return None
 
     def close(self) -> None:
@@ -220,7 +223,7 @@ def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: o
         pass
     except BaseException:
         try:
-            pipe.send(traceback.format_exc())
+            pipe.send("failed:\n" + traceback.format_exc())
         except OSError:  # rank 0 is gone too
             pass
     finally:

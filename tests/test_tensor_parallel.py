@@ -199,7 +199,7 @@ def test_a_worker_that_dies_is_reported_and_close_frees_everything(tiny_models):
     the port, so another tensor-parallel LLM starts in the same process."""
     llm = LLM(tiny_models["gqa"], tensor_parallel_size=2, block_size=4)
     runner = llm.engine.model_runner
-    pids, port = [p.pid for p in runner.workers.processes], runner.workers.port
+    pids, port = [p.pid for p in runner.workers.processes], runner.workers.store.port
     os.kill(pids[0], signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="worker 1 died"):

@@ -13,6 +13,8 @@ Invariants:
 - Layer i reads and writes only `kv_cache[0, i]` (keys) and `kv_cache[1, i]` (values).
 - q, k, v are one fused matmul (`qkv_proj`), gate and up another (`gate_up_proj`); the loader stacks
   the checkpoint's separate tensors on the output dim in that order, so the math is unchanged.
+- With tensor parallelism (parallel.py) a model holds one rank's shard: 1/size of the heads, of the
+  MLP units and of the vocabulary; `all_reduce` after o_proj and down_proj sums the ranks' parts.
 - Every parameter comes from the checkpoint: the model is built on the meta device (no memory, no
   random init) and `load_model` assigns real tensors, or raises a `ValueError` naming what is wrong.
 """
