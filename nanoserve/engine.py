@@ -29,7 +29,7 @@ from nanoserve.detokenizer import Detokenizer
 from nanoserve.model_runner import ModelRunner
 from nanoserve.models.llama import read_config
 from nanoserve.parallel import check_tensor_parallel
-from nanoserve.sampler import SamplingParams, is_int
+from nanoserve.sampler import InvalidRequest, SamplingParams, is_int
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
 
@@ -120,19 +120,19 @@ class LLMEngine:
         before anything is queued, so the other requests are never disturbed."""
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequest("sampling_params", f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if request_id is None:  # the next number that no caller has taken as an id
             request_id = next(i for i in map(str, self.request_counter) if i not in self.requests)
         if not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
+            raise InvalidRequest("request_id", f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise InvalidRequest("request_id", f"request_id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
         if len(token_ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
+            raise InvalidRequest("prompt", f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
         bad = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
+            raise InvalidRequest("stop_token_ids", f"stop_token_ids {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
         detokenizer = Detokenizer(self.tokenizer, params.stop or ()) if self.tokenizer else None
         seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, detokenizer)
         self.requests[request_id] = seq
@@ -142,21 +142,21 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"prompt is a string but {self.config.model} has no tokenizer; pass token ids")
+                raise InvalidRequest("prompt", f"prompt is a string but {self.config.model} has no tokenizer; pass token ids")
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as error:  # a lone surrogate such as "\ud800"
-                raise ValueError(f"prompt is not valid Unicode text: {error}") from None
+                raise InvalidRequest("prompt", f"prompt is not valid Unicode text: {error}") from None
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             token_ids = [int(t) for t in prompt]  # numpy ints too
         else:
-            raise ValueError("prompt must be a string or a list of int token ids")
+            raise InvalidRequest("prompt", "prompt must be a string or a list of int token ids")
         if not token_ids:
-            raise ValueError("prompt is empty")
+            raise InvalidRequest("prompt", "prompt is empty")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
+            raise InvalidRequest("prompt", f"token ids {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
         return token_ids
 
     def abort_request(self, request_id: str) -> RequestOutput:

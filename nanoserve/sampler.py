@@ -59,9 +59,18 @@ class SamplingParams:
         object.__setattr__(self, "stop", None if strings is None else tuple(strings))
 
 
+class InvalidRequest(ValueError):
+    """Bad input to one request, naming the parameter at fault (`param`: "temperature", "prompt", ...),
+    so that a server can say which field of its body was wrong without parsing the message."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def require(ok: bool, name: str, value: object, rule: str) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {rule}, got {value!r}")
+        raise InvalidRequest(name, f"{name} must be {rule}, got {value!r}")
 
 
 def is_int(value: object) -> bool:
