@@ -115,9 +115,11 @@ class LLMEngine:
             raise
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Validate and queue one request; returns its id. Bad input raises ValueError here,
-        before anything is queued, so the other requests are never disturbed."""
+        before anything is queued, so the other requests are never disturbed. `arrival_time`
+        (time.perf_counter()) is when the request arrived, if earlier than now: TTFT and latency count
+        from it (a server passes the time its HTTP request came in, so its own queue wait counts)."""
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("sampling_params", f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -135,6 +137,8 @@ class LLMEngine:
             raise InvalidRequest("stop_token_ids", f"stop_token_ids {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
         detokenizer = Detokenizer(self.tokenizer, params.stop or ()) if self.tokenizer else None
         seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, detokenizer)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
