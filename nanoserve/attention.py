@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nanoserve.config import cdiv
+
 if TYPE_CHECKING:
     from nanoserve.batch import Batch
 
@@ -72,7 +74,7 @@ def gather_blocks(cache: Tensor, block_table: Tensor) -> Tensor:
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return max(1, -(-num_tokens // block_size))  # at least one block, so the key axis is never empty
+    return max(1, cdiv(num_tokens, block_size))  # at least one block, so the key axis is never empty
 
 
 def causal_mask(seqlen_q: int, seqlen_k: int, device: torch.device) -> Tensor:
@@ -146,7 +148,7 @@ def decode_groups_count(num_rows: int) -> int:
     context, and its copied keys and values should still be in cache when SDPA reads them: groups of
     about 8 rows measured fastest on a 2-core x86 CPU in both dtypes (48 rows, contexts 16-450, one
     thread: 1.2x faster in bfloat16, 4x in float32 than 2 groups of 24), ~50 us overhead per group."""
-    return max(1, -(-num_rows // DECODE_GROUP_ROWS))
+    return max(1, cdiv(num_rows, DECODE_GROUP_ROWS))
 
 
 def plan_attention(q_lens: list[int], k_lens: list[int], block_table: Tensor, block_size: int,
@@ -159,7 +161,7 @@ def plan_attention(q_lens: list[int], k_lens: list[int], block_table: Tensor, bl
         starts.append(starts[-1] + n)
     # decode rows, shortest context first, cut into groups of about equal count
     decode = sorted((b for b, n in enumerate(q_lens) if n == 1 and k_lens[b] > 0), key=lambda b: k_lens[b])
-    per_group, groups = max(1, -(-len(decode) // decode_groups_count(len(decode)))), []
+    per_group, groups = max(1, cdiv(len(decode), decode_groups_count(len(decode)))), []
     for chunk in (decode[i:i + per_group] for i in range(0, len(decode), per_group)):
         num_blocks = blocks_needed(k_lens[chunk[-1]], block_size)  # the group's longest context
         seqlens_k = torch.tensor([k_lens[b] for b in chunk], device=device)

@@ -27,6 +27,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from nanoserve.config import cdiv
 from nanoserve.sequence import Sequence
 
 
@@ -95,7 +96,7 @@ class BlockManager:
         first. Returns False, changing nothing, when there are not enough free blocks.
         """
         cached_prefix = cached_prefix or []
-        num_needed = -(-num_tokens // self.block_size) - len(seq.block_table) - len(cached_prefix)
+        num_needed = cdiv(num_tokens, self.block_size) - len(seq.block_table) - len(cached_prefix)
         num_revived = sum(self.blocks[b].ref_cnt == 0 for b in cached_prefix)  # hits in the free queue
         if max(num_needed, 0) + num_revived > self.num_free_blocks:
             return False
@@ -178,5 +179,5 @@ class BlockManager:
         for seq, num_new in scheduled:
             end = seq.num_computed_tokens + num_new
             assert end <= len(seq.block_table) * self.block_size, f"{seq} writes {num_new} slots past its blocks"
-            for block_id in seq.block_table[seq.num_computed_tokens // self.block_size:-(-end // self.block_size)]:
+            for block_id in seq.block_table[seq.num_computed_tokens // self.block_size:cdiv(end, self.block_size)]:
                 assert self.blocks[block_id].ref_cnt == 1, f"{seq} writes into shared block {block_id}"

@@ -65,3 +65,8 @@ class Config:
 def check_positive_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: how many blocks of b hold a items."""
+    return -(-a // b)

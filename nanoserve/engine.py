@@ -24,7 +24,7 @@ from tqdm import tqdm
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from nanoserve.batch import Batch, build_batch, samples_now
-from nanoserve.config import Config
+from nanoserve.config import Config, cdiv
 from nanoserve.detokenizer import Detokenizer
 from nanoserve.model_runner import ModelRunner
 from nanoserve.models.llama import read_config
@@ -100,7 +100,7 @@ class LLMEngine:
         try:  # with tensor parallelism, a failure from here on must stop the workers just started
             self.vocab_size = self.model_runner.model.vocab_size
             num_blocks = self.model_runner.num_blocks
-            if num_blocks - 1 < -(-self.max_model_len // config.block_size):
+            if num_blocks - 1 < cdiv(self.max_model_len, config.block_size):
                 raise ValueError(
                     f"the KV cache has {num_blocks - 1} usable blocks of {config.block_size} slots "
                     f"({(num_blocks - 1) * config.block_size} tokens), too few for one request of "

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from nanoserve.attention import select_backend
 from nanoserve.batch import Batch
-from nanoserve.config import CPU_KV_CACHE_FRACTION, Config
+from nanoserve.config import CPU_KV_CACHE_FRACTION, Config, cdiv
 from nanoserve.models.llama import load_model
 from nanoserve.parallel import Shard, Workers, broadcast_from_rank0, join_group, rank_device, shut_down
 from nanoserve.sampler import sample
@@ -92,7 +92,7 @@ class ModelRunner:
             budget = free - (1 - config.gpu_memory_utilization) * total
         else:
             budget = CPU_KV_CACHE_FRACTION * free
-        most_needed = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
+        most_needed = config.max_num_seqs * cdiv(max_model_len, config.block_size) + 1
         return max(0, min(int(budget // self.bytes_per_block(config.block_size)), most_needed))
 
     @torch.inference_mode()
