@@ -170,8 +170,6 @@ class LLMEngine:
         if seq is None:
             raise ValueError(f"no unfinished request with id {request_id!r}")
         self.scheduler.finish(seq, "abort")
-        if seq.detokenizer is not None:
-            seq.detokenizer.finish(seq.output_token_ids)
         self.aborted.append(self.make_output(seq))
         return self.aborted[-1]
 
@@ -210,28 +208,17 @@ class LLMEngine:
         batch = build_batch(scheduled, self.config.block_size, self.device)
         sampling = [seq for seq, n in scheduled if samples_now(seq, n)]
         sampled = self.model_runner.run(batch, sampling)
-        self.scheduler.update(scheduled, sampled)
-        deltas = [self.make_delta(seq) for seq in sampling]  # may finish a request on a stop string
-        finished = [seq for seq in sampling if seq.is_finished]
+        finished = self.scheduler.update(scheduled, sampled)  # appends the tokens, stops, frees
         for seq in finished:
             del self.requests[seq.request_id]
         return StepResult(batch, [(seq.request_id, n) for seq, n in scheduled], decode_ids,
-                          aborted + [self.make_output(seq) for seq in finished], deltas)
+                          aborted + [self.make_output(seq) for seq in finished],
+                          [self.make_delta(seq) for seq in sampling])
 
     def make_delta(self, seq: Sequence) -> RequestDelta:
-        """Detokenize seq's new token and check its stop strings (after the scheduler's stop rules:
-        a stop string also ends a request that just reached max_tokens, as "stop")."""
-        token, detokenizer = seq.token_ids[-1], seq.detokenizer
-        if detokenizer is None:
-            return RequestDelta(seq.request_id, [token], None, seq.finish_reason)
-        if detokenizer.add(token):
-            if seq.is_finished:
-                seq.finish_reason = "stop"
-            else:
-                self.scheduler.finish(seq, "stop")  # frees its blocks like any other finish
-        if seq.is_finished:
-            detokenizer.finish(seq.output_token_ids)
-        return RequestDelta(seq.request_id, [token], detokenizer.take_delta(seq.is_finished), seq.finish_reason)
+        """seq's token of this step and the text it settled (see detokenizer.py)."""
+        text = None if seq.detokenizer is None else seq.detokenizer.take_delta(seq.is_finished)
+        return RequestDelta(seq.request_id, [seq.token_ids[-1]], text, seq.finish_reason)
 
     def make_output(self, seq: Sequence) -> RequestOutput:
         text = seq.detokenizer.text if seq.detokenizer else None

@@ -12,9 +12,13 @@ token fits, the newest running request is preempted by recompute: its blocks are
 back to the front of the queue, ahead of requests that never ran. Its tokens are kept, so nothing
 is lost. A step that preempted admits no one.
 
+After the model ran, `update` appends each sampled token and `stop_reason` applies every stop rule
+(EOS, stop tokens, stop strings, max_tokens, max_model_len) in one place.
+
 `scheduling="static"` is the baseline (static batching, docs/batching.md): a batch is admitted only
 when the previous one has completely finished, and KV space for prompt + max_tokens - 1 tokens is
-reserved up front (the last sampled token's KV is never needed).
+reserved up front (the last sampled token's KV is never needed): the three places where the code
+differs are marked "Static batching, difference N of 3".
 
 Invariants (`assert_invariants` checks them): every accepted request is in exactly one of
 `waiting`, `running`, or finished; waiting requests hold no blocks; a step writes only into blocks
@@ -22,7 +26,6 @@ that the writing request alone holds.
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 
 from nanoserve.block_manager import BlockManager
@@ -53,54 +56,61 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         """Plan one step. Returns the scheduled requests in batch order."""
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
-        num_preemptions = self.num_preemptions
-        i = 0
-        while i < len(self.running) and budget > 0:  # oldest first; preemption shortens the list
-            seq = self.running[i]
-            num_new = self.fit_or_preempt(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
-            if num_new == 0:  # seq itself was preempted, so it was the newest: no one is left
-                break
-            scheduled.append((seq, num_new))
-            budget -= num_new
-            i += 1
+        scheduled, preempted = self.schedule_running()
         # A step that preempted is out of blocks: an admission would only be preempted in turn.
-        if self.num_preemptions > num_preemptions:
+        if preempted:
             return scheduled
-        # Static batching admits a new batch only once the last one has completely finished.
+        # Static batching, difference 1 of 3: a new batch is admitted only once the last one has
+        # completely finished (continuous batching admits at every step).
         if self.config.scheduling == "static" and self.running:
             return scheduled
+        budget = self.config.max_num_batched_tokens - sum(num_new for _, num_new in scheduled)
         return scheduled + self.admit_waiting(budget)
 
-    def fit_or_preempt(self, seq: Sequence, num_new: int) -> int:
-        """Allocate blocks for seq's next `num_new` tokens, or for as many as fit (a shorter
-        prefill chunk). If not even one token fits, preempt the newest running request and try
-        again. Returns how many tokens of seq run this step; 0 if seq itself was preempted."""
-        while True:
-            num_fitting = min(num_new, self.block_manager.num_free_slots(seq))
-            if num_fitting > 0:
-                allocated = self.block_manager.allocate(seq, seq.num_computed_tokens + num_fitting)
-                assert allocated, f"{seq}: {num_fitting} free slots but no blocks"
-                return num_fitting
-            victim = self.running[-1]
-            self.preempt(victim)
-            if victim is seq:
-                return 0
+    def schedule_running(self) -> tuple[list[ScheduledSeq], list[Sequence]]:
+        """Each running request, oldest first, gets its next decode token or prefill chunk while the
+        budget lasts. Returns them, and the requests preempted to find blocks for them."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        for seq in list(self.running):  # a copy: preempting removes the newest from self.running
+            if budget == 0 or seq in preempted:  # a victim already: so are all requests newer than it
+                break
+            preempted += self.make_room(seq)
+            if seq in preempted:  # it was the newest left: no one after it runs either
+                break
+            # A prefill chunk shrinks to what seq's blocks and the free blocks hold (>= 1 token now).
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self.block_manager.num_free_slots(seq))
+            allocated = self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+            assert allocated, f"{seq}: {num_new} free slots but no blocks"
+            scheduled.append((seq, num_new))
+            budget -= num_new
+        return scheduled, preempted
+
+    def make_room(self, seq: Sequence) -> list[Sequence]:
+        """Preempt the newest running requests until seq can write at least one more token, or until
+        seq itself was preempted (it was the newest left). Returns them, newest first."""
+        victims: list[Sequence] = []
+        while self.block_manager.num_free_slots(seq) == 0 and seq not in victims:
+            victims.append(self.running[-1])
+            self.preempt(victims[-1])
+        return victims
 
     def admit_waiting(self, budget: int) -> list[ScheduledSeq]:
-        """Move waiting requests to running, first come first served, while they fit."""
+        """Move waiting requests to running, first come first served, while they fit. The first that
+        does not fit stops admission: no one behind it jumps the queue."""
         static = self.config.scheduling == "static"
         scheduled: list[ScheduledSeq] = []
+        # Static batching, difference 2 of 3: the whole batch is admitted at once, even past the token
+        # budget (their prompts then run in chunks over the next steps).
         while self.waiting and (budget > 0 or static) and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            # Blocks enter the prefix cache only in `update`, after the step that computed them: two
+            # requests admitted in the same step share no prefix, even with the same system prompt.
             cached_prefix = self.block_manager.find_cached_prefix(seq)
             num_computed = len(cached_prefix) * self.config.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
-            # Static batching reserves the whole request's KV space now; continuous only this step's.
-            num_slots = (min(seq.num_prompt_tokens + seq.params.max_tokens - 1, self.max_model_len)
-                         if static else num_computed + num_new)
-            if not self.block_manager.allocate(seq, num_slots, cached_prefix):
+            if not self.block_manager.allocate(seq, self.slots_to_reserve(seq, num_computed + num_new), cached_prefix):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -114,6 +124,15 @@ class Scheduler:
                 budget -= num_new
         return scheduled
 
+    def slots_to_reserve(self, seq: Sequence, num_tokens_now: int) -> int:
+        """KV slots seq takes when admitted. Continuous batching: only what this step writes; later
+        steps take blocks as tokens arrive. Static batching, difference 3 of 3: the whole request up
+        front, prompt + max_tokens - 1 (the last sampled token is never fed back, so its KV is never
+        stored), because nobody knows when it will stop: so it is never preempted."""
+        if self.config.scheduling == "continuous":
+            return num_tokens_now
+        return min(seq.num_prompt_tokens + seq.params.max_tokens - 1, self.max_model_len)
+
     def preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop seq's KV and requeue it at the front."""
         self.running.remove(seq)
@@ -125,7 +144,7 @@ class Scheduler:
 
     def update(self, scheduled: list[ScheduledSeq], sampled: list[int]) -> list[Sequence]:
         """After the model ran: advance each request, append the sampled tokens (one for every
-        request whose last token ran, in batch order), and finish those that stop."""
+        request whose last token ran, in batch order), and finish those that stop. Returns those."""
         sampled_iter = iter(sampled)
         finished = []
         for seq, num_new in scheduled:
@@ -133,21 +152,21 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt: no token yet
-            token = next(sampled_iter)
-            seq.token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = time.perf_counter()
-            reason = self.stop_reason(seq, token)
+            seq.append_token(next(sampled_iter))
+            reason = self.stop_reason(seq)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
 
-    def stop_reason(self, seq: Sequence, token: int) -> str | None:
-        """"stop" at EOS (unless ignore_eos) or a stop token, "length" at max_tokens or
-        max_model_len, else None: keep going."""
-        params = seq.params
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in (params.stop_token_ids or ()):
+    def stop_reason(self, seq: Sequence) -> str | None:
+        """Every stop rule, here alone, for the token just appended: "stop" at EOS (unless
+        ignore_eos), a stop token or a stop string in the text (the detokenizer cut the text before
+        it); else "length" at max_tokens or max_model_len; else None: keep going."""
+        params, token = seq.params, seq.token_ids[-1]
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop"
+        if token in (params.stop_token_ids or ()) or (seq.detokenizer is not None and seq.detokenizer.stopped):
             return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -160,9 +179,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.finish_time = time.perf_counter()
+        seq.finish(reason)
 
     def assert_invariants(self, scheduled: list[ScheduledSeq] | None = None) -> None:
         """Check the invariants above and the block manager's; given this step's plan (before

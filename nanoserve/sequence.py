@@ -43,6 +43,22 @@ class Sequence:
         self.finish_time: float | None = None
         self.detokenizer = detokenizer                   # the output text; None without a tokenizer
 
+    def append_token(self, token: int) -> None:
+        """A sampled token: onto token_ids, and into the output text."""
+        self.token_ids.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        if self.detokenizer is not None:
+            self.detokenizer.add(token)
+
+    def finish(self, reason: str) -> None:
+        """Finished ("stop", "length") or aborted ("abort"): the text gets its final form."""
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.perf_counter()
+        if self.detokenizer is not None:
+            self.detokenizer.finish(self.output_token_ids)
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
