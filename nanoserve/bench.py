@@ -5,7 +5,9 @@ point: every engine runs on the same machine in the same run.
     python -m nanoserve.bench                       # the default ~40M-parameter random Llama, 48 requests
     python -m nanoserve.bench --dtype bfloat16      # every engine in bfloat16
     python -m nanoserve.bench --engines nanoserve,static --num-requests 16
-    python -m nanoserve.bench --online --rates 2,4,8     # Poisson arrivals: TTFT/TPOT vs request rate
+    python -m nanoserve.bench --online --rates 2,4,8     # Poisson arrivals: TTFT, TPOT and goodput vs request rate
+    python -m nanoserve.bench --workload nanovllm        # nano-vllm's bench.py, scaled to a CPU
+    python -m nanoserve.bench --workload shared-prefix   # 32 requests, one 256-token system prompt, all at once
     python -m nanoserve.bench --profile-decode 48        # where one decode step of 48 requests spends its time
     python -m nanoserve.bench --server http://127.0.0.1:8000 --rates 2,4,8   # the same load over HTTP + SSE
     python -m nanoserve.bench --llama-cpp llama-batched-bench --gguf model.gguf --model HF_FOLDER   # vs llama.cpp, transformers
@@ -26,6 +28,17 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 ENGINES = ("nanoserve", "static", "hf-generate", "hf-cb")
+# The warm-up prompt: ids below 3, which workloads never draw, so that it leaves nothing in the
+# prefix cache that a workload's prompt could hit.
+WARM_UP = [1, 2] * 16
+# The named workloads' shapes (`--workload`); "random" takes --num-requests, --input-len, --output-len.
+WORKLOADS = {
+    # nano-vllm's bench.py: 256 requests, prompt and output lengths uniform in 100-1024, temperature
+    # 0.6, ignore_eos; scaled to a CPU: a quarter of the requests, an eighth of the lengths
+    "nanovllm": dict(num_requests=64, input_len=(13, 128), output_len=(13, 128), temperature=0.6),
+    # the seeds' online scenario: many users, one system prompt, arriving together
+    "shared-prefix": dict(num_requests=32, input_len=(16, 64), output_len=(16, 64), shared_prefix=256),
+}
 DEFAULT_MODEL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                      intermediate_size=1408, vocab_size=32000, max_position_embeddings=1024)
 
@@ -34,6 +47,7 @@ DEFAULT_MODEL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8
 class Request:
     prompt: list[int]
     output_len: int
+    temperature: float = 0.0  # nanoserve's engines sample at it; transformers' are always greedy
 
 
 @dataclass
@@ -84,10 +98,13 @@ def build_default_model(folder: str) -> str:
 
 
 def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int],
-                  vocab_size: int, seed: int) -> list[Request]:
+                  vocab_size: int, seed: int, temperature: float = 0.0, shared_prefix: int = 0) -> list[Request]:
+    """Random token-id prompts and output lengths, each drawn uniformly from its range; with
+    `shared_prefix`, every prompt starts with the same that many tokens (a system prompt)."""
     rng = random.Random(seed)
-    return [Request([rng.randrange(3, vocab_size) for _ in range(rng.randint(*input_len))], rng.randint(*output_len))
-            for _ in range(num_requests)]
+    system = [rng.randrange(3, vocab_size) for _ in range(shared_prefix)]
+    return [Request(system + [rng.randrange(3, vocab_size) for _ in range(rng.randint(*input_len))],
+                    rng.randint(*output_len), temperature) for _ in range(num_requests)]
 
 
 def whole_blocks(num_tokens: int, block_size: int) -> int:
@@ -103,18 +120,20 @@ def percentile(values: list[float], q: float) -> float:
 # ------------------------------------------------------------------------------------ engines
 
 def run_nanoserve(path: str, workload: list[Request], scheduling: str, **config) -> Result:
+    """Every request queued at once. Prefix caching is off unless `config` turns it on."""
     from nanoserve import LLM, SamplingParams
-    llm = LLM(path, scheduling=scheduling, enable_prefix_caching=False, **config)
+    llm = LLM(path, scheduling=scheduling, **{"enable_prefix_caching": False, **config})
     engine, bm = llm.engine, llm.engine.scheduler.block_manager
-    llm.generate([workload[0].prompt], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    llm.generate([WARM_UP], SamplingParams(max_tokens=2), use_tqdm=False)
     block_size, total = engine.config.block_size, engine.model_runner.num_blocks - 1
     start = time.perf_counter()
     for r in workload:
-        engine.add_request(r.prompt, SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
-    outputs, peak_used, peak_alloc, steps = [], 0, 0, []
+        engine.add_request(r.prompt, SamplingParams(temperature=r.temperature, max_tokens=r.output_len, ignore_eos=True))
+    outputs, peak_used, peak_alloc, steps, prefill_tokens = [], 0, 0, [], 0
     while engine.has_unfinished_requests():
         step_start = time.perf_counter()
         result = engine.step()
+        prefill_tokens += result.num_prefill_tokens
         if result.batch is not None:
             q_starts = result.batch.query_start_loc.tolist()
             steps.append(Step(time.perf_counter() - step_start, [e - s for s, e in zip(q_starts, q_starts[1:])],
@@ -128,7 +147,31 @@ def run_nanoserve(path: str, workload: list[Request], scheduling: str, **config)
     return Result(scheduling if scheduling == "static" else "nanoserve", seconds,
                   sum(len(o.token_ids) for o in outputs), sum(len(r.prompt) for r in workload),
                   [o.ttft for o in outputs], [(o.latency - o.ttft) / max(1, len(o.token_ids) - 1) for o in outputs],
-                  peak_used, peak_alloc, total * block_size, {"steps": len(steps)}, steps)
+                  peak_used, peak_alloc, total * block_size,
+                  {"steps": len(steps), "prefill_tokens": prefill_tokens, "computed_tokens": sum(map(sum, (s.query_lens for s in steps))),
+                   "cached_tokens": sum(o.num_cached_tokens for o in outputs),
+                   "preemptions": engine.stats()["num_preemptions"]}, steps)
+
+
+def nanovllm_table(results: list[Result]) -> str:
+    """The columns of nano-vllm's published benchmark table, to set beside it (throughput: output
+    tokens over the time to serve all requests, as its bench.py counts)."""
+    lines = ["| Inference Engine | Output Tokens | Time (s) | Throughput (tokens/s) |", "|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.engine} | {r.output_tokens:,} | {r.seconds:.2f} | {r.output_tok_s:.2f} |")
+    return "\n".join(lines)
+
+
+def compare_prefix_caching(path: str, workload: list[Request], config: dict) -> str:
+    """The shared-prefix workload with prefix caching on and off: prefill tokens the model ran, prompt
+    tokens served from the cache, time to first token (all requests arrive at once) and seconds."""
+    lines = ["| prefix caching | prefill tokens computed | cached tokens | TTFT p50 / p99 (s) | seconds |",
+             "|---|---|---|---|---|"]
+    for caching in (True, False):
+        r = run_nanoserve(path, workload, "continuous", **config, enable_prefix_caching=caching)
+        lines.append(f"| {'on' if caching else 'off'} | {r.extra['prefill_tokens']} | {r.extra['cached_tokens']} | "
+                     f"{percentile(r.ttft, 50):.2f} / {percentile(r.ttft, 99):.2f} | {r.seconds:.2f} |")
+    return "\n".join(lines)
 
 
 def load_hf(path: str, dtype: str):
@@ -258,13 +301,15 @@ def step_limit(step: Step, m: ModelShape, machine: Machine) -> tuple[float, bool
 
 def report(results: list[Result], machine: Machine, shape: ModelShape) -> str:
     lines = ["| engine | output tok/s | total tok/s | TTFT p50 / p99 (s) | TPOT (ms) | peak KV used / allocated (slots) "
-             "| nanoserve ÷ this |", "|---|---|---|---|---|---|---|"]
+             "| tokens computed (preemptions) | nanoserve ÷ this |", "|---|---|---|---|---|---|---|---|"]
     ours = next((r for r in results if r.engine == "nanoserve"), None)
     for r in results:
         kv = f"{r.peak_kv_used} / {r.peak_kv_allocated}" if r.peak_kv_used is not None else "n/a"
+        # every prompt and output token's KV once, but the last output token's, plus what preemption recomputed
+        computed = f"{r.extra['computed_tokens']} ({r.extra['preemptions']})" if "preemptions" in r.extra else "n/a"
         ratio = f"{ours.output_tok_s / r.output_tok_s:.2f}x" if ours else "n/a"
         lines.append(f"| {r.engine} | {r.output_tok_s:.0f} | {r.total_tok_s:.0f} | {percentile(r.ttft, 50):.2f} / "
-                     f"{percentile(r.ttft, 99):.2f} | {1000 * statistics.mean(r.tpot):.1f} | {kv} | {ratio} |")
+                     f"{percentile(r.ttft, 99):.2f} | {1000 * statistics.mean(r.tpot):.1f} | {kv} | {computed} | {ratio} |")
     # The roofline is taken over the steps nanoserve (continuous, else static) ran: the same useful work for all
     scheduled = next((r for r in results if r.steps), None)
     if scheduled is None:
@@ -296,33 +341,87 @@ def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
     return arrivals
 
 
-def run_online(path: str, workload: list[Request], rates: list[float], seed: int, config: dict) -> str:
-    """Requests arrive as a Poisson process at each rate; TTFT and TPOT percentiles per scheduler."""
+@dataclass
+class OnlineRun:
+    """One scheduler at one request rate: what each request saw, counted from its arrival."""
+    scheduling: str
+    rate: float
+    ttft: list[float]     # seconds to the first token
+    tpot: list[float]     # seconds per output token after the first: (latency - ttft) / (output tokens - 1)
+    latency: list[float]  # seconds to the last token
+    seconds: float        # from the first arrival to the last request's end
+
+    def goodput(self, slo: dict[str, float]) -> float:
+        """vLLM's `bench serve --goodput`: completed requests per second that meet every SLO
+        (milliseconds; keys ttft, tpot, e2el, where e2el is the latency)."""
+        measured = {"ttft": self.ttft, "tpot": self.tpot, "e2el": self.latency}
+        good = sum(all(measured[key][i] * 1000 <= limit for key, limit in slo.items()) for i in range(len(self.ttft)))
+        return good / self.seconds
+
+
+def parse_slo(pair: str) -> tuple[str, float]:
+    """"ttft:1000" -> ("ttft", 1000.0), as vLLM's --goodput takes it."""
+    key, _, value = pair.partition(":")
+    try:
+        limit = float(value)
+    except ValueError:
+        limit = -1.0
+    if key not in ("ttft", "tpot", "e2el") or limit < 0:
+        raise argparse.ArgumentTypeError(f"{pair!r}: an SLO is ttft:MS, tpot:MS or e2el:MS, MS a number >= 0")
+    return key, limit
+
+
+def run_online(path: str, workload: list[Request], rates: list[float], seed: int, config: dict) -> list[OnlineRun]:
+    """Requests arrive as a Poisson process at each rate and join the running engine; each
+    scheduler at each rate. TTFT and latency count from a request's arrival (`arrival_time`), even
+    when it arrived during a step."""
     from nanoserve import LLM, SamplingParams
-    lines = ["| scheduling | rate (req/s) | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | seconds |", "|---|---|---|---|---|"]
+    runs = []
     for scheduling in ("continuous", "static"):
-        llm = LLM(path, scheduling=scheduling, enable_prefix_caching=False, **config)
-        llm.generate([workload[0].prompt], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        llm = LLM(path, scheduling=scheduling, **{"enable_prefix_caching": False, **config})
+        llm.generate([WARM_UP], SamplingParams(max_tokens=2), use_tqdm=False)
         engine = llm.engine
         for rate in rates:
             arrivals = poisson_arrivals(len(workload), rate, seed)
-            outputs, late, i, start = [], {}, 0, time.perf_counter()
+            outputs, i, start = [], 0, time.perf_counter()
             while i < len(workload) or engine.has_unfinished_requests():
                 now = time.perf_counter() - start
                 while i < len(workload) and arrivals[i] <= now:  # every request that has arrived joins
-                    request_id = engine.add_request(workload[i].prompt, SamplingParams(
-                        temperature=0, max_tokens=workload[i].output_len, ignore_eos=True))
-                    late[request_id] = now - arrivals[i]  # it arrived during a step: count that wait
+                    r = workload[i]
+                    engine.add_request(r.prompt, SamplingParams(temperature=r.temperature, max_tokens=r.output_len,
+                                                                ignore_eos=True), arrival_time=start + arrivals[i])
                     i += 1
                 if engine.has_unfinished_requests():
                     outputs += engine.step().outputs
                 else:
                     time.sleep(max(0.0, arrivals[i] - now))
-            ttft = [o.ttft + late[o.request_id] for o in outputs]
-            tpot = [(o.latency - o.ttft) / max(1, len(o.token_ids) - 1) for o in outputs]
-            lines.append(f"| {scheduling} | {rate:g} | {percentile(ttft, 50):.2f} / {percentile(ttft, 99):.2f} | "
-                         f"{1000 * percentile(tpot, 50):.1f} / {1000 * percentile(tpot, 99):.1f} | "
-                         f"{time.perf_counter() - start:.1f} |")
+            runs.append(OnlineRun(scheduling, rate, [o.ttft for o in outputs],
+                                  [(o.latency - o.ttft) / max(1, len(o.token_ids) - 1) for o in outputs],
+                                  [o.latency for o in outputs], time.perf_counter() - start - arrivals[0]))
+        llm.close()
+    return runs
+
+
+def online_report(runs: list[OnlineRun], slo: dict[str, float]) -> str:
+    """The table, then where each scheduler's goodput peaks: past that rate it saturates (requests
+    queue and miss their SLOs), and the ratio of the two at static batching's peak rate."""
+    slos = ", ".join(f"{key} <= {limit:g} ms" for key, limit in slo.items())
+    lines = [f"| scheduling | rate (req/s) | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | goodput (req/s; {slos}) | seconds |",
+             "|---|---|---|---|---|---|"]
+    for r in runs:
+        lines.append(f"| {r.scheduling} | {r.rate:g} | {percentile(r.ttft, 50):.2f} / {percentile(r.ttft, 99):.2f} | "
+                     f"{1000 * percentile(r.tpot, 50):.1f} / {1000 * percentile(r.tpot, 99):.1f} | "
+                     f"{r.goodput(slo):.2f} | {r.seconds:.1f} |")
+    peaks, lines = {}, lines + [""]
+    for scheduling in ("continuous", "static"):
+        mine = [r for r in runs if r.scheduling == scheduling]
+        peaks[scheduling] = max(mine, key=lambda r: (r.goodput(slo), -r.rate))  # the lowest rate of the best
+        lines.append(f"{scheduling}: goodput peaks at {peaks[scheduling].goodput(slo):.2f} req/s, offered "
+                     f"{peaks[scheduling].rate:g} req/s")
+    at_static_peak = next(r for r in runs if r.scheduling == "continuous" and r.rate == peaks["static"].rate)
+    static_goodput = peaks["static"].goodput(slo)
+    ratio = f"{at_static_peak.goodput(slo) / static_goodput:.2f}x" if static_goodput else "inf (static meets no SLO)"
+    lines.append(f"at {peaks['static'].rate:g} req/s, static batching's peak: continuous ÷ static goodput = {ratio}")
     return "\n".join(lines)
 
 
@@ -527,7 +626,7 @@ def compare_tensor_parallel(path: str, workload: list[Request], config: dict, si
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Llama checkpoint folder (default: a random ~40M Llama, built once)")
-    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--num-requests", type=int, help="default: 48, or the --workload's own number")
     p.add_argument("--input-len", default="16-256", help="prompt lengths, MIN-MAX")
     p.add_argument("--output-len", default="16-192", help="output lengths, MIN-MAX")
     p.add_argument("--seed", type=int, default=0)
@@ -553,12 +652,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-transformers", action="store_true",
                    help="with --llama-cpp: leave out transformers' generate on the same shape")
     p.add_argument("--rates", default="1,2,4,8", help="with --online or --server: request rates (req/s)")
+    p.add_argument("--goodput", nargs="+", type=parse_slo, default=[("ttft", 1000.0), ("tpot", 100.0)], metavar="KEY:MS",
+                   help="with --online: the SLOs a request must meet to count (vLLM's bench serve --goodput): "
+                        "ttft, tpot and e2el in milliseconds (default: ttft:1000 tpot:100)")
+    p.add_argument("--workload", default="random", choices=("random", "nanovllm", "shared-prefix"),
+                   help="random: --num-requests of --input-len and --output-len, greedy. nanovllm: nano-vllm's "
+                        "bench.py (256 requests, prompts and outputs of 100-1024 tokens, temperature 0.6) scaled "
+                        "to a CPU: 64 requests of 13-128 tokens. shared-prefix: 32 requests, one 256-token system "
+                        "prompt plus 16-64 tokens each, outputs of 16-64, prefix caching on and off")
     p.add_argument("--api-key", help="with --server: sent as a Bearer token")
     args = p.parse_args(argv)
     span = lambda s: tuple(int(x) for x in s.split("-"))  # noqa: E731
     if args.server:
         # The server's vocab size is not in /v1/models: ids below 1000 are valid for any Llama vocab
-        workload = make_workload(args.num_requests, span(args.input_len), span(args.output_len), 1000, args.seed)
+        workload = make_workload(args.num_requests or 48, span(args.input_len), span(args.output_len), 1000, args.seed)
         print(run_http(args.server, workload, [float(r) for r in args.rates.split(",")], args.seed, args.api_key))
         return
     torch.manual_seed(args.seed)
@@ -575,7 +682,9 @@ def main(argv: list[str] | None = None) -> None:
         print(compare_llama_cpp(args.llama_cpp, args.gguf, path, [int(b) for b in args.batch_sizes.split(",")],
                                 args.prompt_len, args.gen_len, args.dtype, vocab, args.seed, not args.no_transformers))
         return
-    workload = make_workload(args.num_requests, span(args.input_len), span(args.output_len), vocab, args.seed)
+    sizes = WORKLOADS.get(args.workload, dict(num_requests=48, input_len=span(args.input_len),
+                                               output_len=span(args.output_len)))
+    workload = make_workload(vocab_size=vocab, seed=args.seed, **{**sizes, "num_requests": args.num_requests or sizes["num_requests"]})
     config = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   num_kvcache_blocks=args.kv_cache_tokens // args.block_size + 1,  # + the null block
                   max_model_len=whole_blocks(max(len(r.prompt) + r.output_len for r in workload), args.block_size),
@@ -589,10 +698,16 @@ def main(argv: list[str] | None = None) -> None:
         print(compare_tensor_parallel(path, workload, config, args.tensor_parallel))
         return
     if args.online:
-        print(run_online(path, workload, [float(r) for r in args.rates.split(",")], args.seed, config))
+        runs = run_online(path, workload, [float(r) for r in args.rates.split(",")], args.seed, config)
+        print(online_report(runs, dict(args.goodput)))
+        return
+    if args.workload == "shared-prefix":
+        print(compare_prefix_caching(path, workload, config))
         return
     dtype = getattr(torch, args.dtype)
     machine, shape = measure_machine(dtype), ModelShape.read(path, dtype)
+    if args.workload == "nanovllm" and args.engines == ",".join(ENGINES):
+        args.engines = "nanoserve,static"  # transformers' engines here are greedy, not at temperature 0.6
     runners = {"nanoserve": lambda: run_nanoserve(path, workload, "continuous", **config),
                "static": lambda: run_nanoserve(path, workload, "static", **config),
                "hf-generate": lambda: run_hf_generate(path, workload, args.dtype),
@@ -604,6 +719,8 @@ def main(argv: list[str] | None = None) -> None:
         results.append(runners[name]())
         print(f"{name}: {results[-1].seconds:.2f} s", flush=True)
     print(report(results, machine, shape))
+    if args.workload == "nanovllm":
+        print(nanovllm_table(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"dtype": args.dtype, "machine": asdict(machine), "results": [asdict(r) for r in results]}, f)

@@ -18,6 +18,12 @@ Invariants:
   (the same prefix was cached by someone else first) caches none of its later blocks. So whoever
   holds a cached block also holds its parent, a child is freed, and so evicted, before its parent,
   and a cached block's parent is always cached.
+- A block is cached when the step that fills it is scheduled (as vLLM V1), so a request admitted
+  later in the same step can share it. That is safe because every layer stores all of the step's
+  k, v before any attention reads them (`Attention.forward`, attention.py), in whatever batch order.
+  So "computed" means: its KV is in the cache, or this step stores it before anyone reads it. Every
+  holder of a shared or cached block has computed it in that sense; a block is written by one
+  request only. A request freed with blocks it never computed (the step failed) uncaches them.
 - Shared blocks are full, hence read-only: a request only ever writes into its own last blocks.
 `assert_invariants` and `assert_writable` check all of this (tests call them after every step).
 """
@@ -89,16 +95,16 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def allocate(self, seq: Sequence, num_tokens: int, cached_prefix: list[int] | None = None) -> bool:
+    def allocate(self, seq: Sequence, num_tokens: int, cached_prefix: list[int] | None = None, reserve: int = 0) -> bool:
         """Grow seq's block table (append-only) to cover `num_tokens` slots.
 
         `cached_prefix` (from find_cached_prefix, for a request with no blocks yet) is shared
-        first. Returns False, changing nothing, when there are not enough free blocks.
+        first. Returns False, changing nothing, when that would leave fewer than `reserve` blocks free.
         """
         cached_prefix = cached_prefix or []
         num_needed = cdiv(num_tokens, self.block_size) - len(seq.block_table) - len(cached_prefix)
         num_revived = sum(self.blocks[b].ref_cnt == 0 for b in cached_prefix)  # hits in the free queue
-        if max(num_needed, 0) + num_revived > self.num_free_blocks:
+        if max(num_needed, 0) + num_revived + reserve > self.num_free_blocks:
             return False
         for block_id in cached_prefix:
             block = self.blocks[block_id]
@@ -116,20 +122,24 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Return seq's blocks. Its last blocks go to the queue first: they are the least likely
-        to be shared, so they are evicted before the prefix they extend."""
-        for block_id in reversed(seq.block_table):
+        to be shared, so they are evicted before the prefix they extend. A block cached for a step
+        that never ran (it raised) holds no KV: it leaves the cache."""
+        for i, block_id in reversed(list(enumerate(seq.block_table))):
             block = self.blocks[block_id]
+            if (i + 1) * self.block_size > seq.num_computed_tokens:
+                self.evict(block)
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue[block_id] = None
         seq.block_table = []
         seq.block_hashes = []
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register seq's blocks that are now full and computed in the prefix cache."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register in the prefix cache seq's blocks that are full once its first `num_tokens` are
+        computed. Called when the step that computes them is scheduled (see the invariants)."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = num_tokens // self.block_size
         for i in range(len(seq.block_hashes), num_full):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             block_hash = hash_block(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
@@ -147,9 +157,13 @@ class BlockManager:
             del self.cached_blocks[block.hash]
             block.hash = block.token_ids = block.parent = None
 
-    def assert_invariants(self, seqs: list[Sequence]) -> None:
-        """Check the invariants above against `seqs`, all the live requests; raise AssertionError
-        naming what broke. With no live request every block must be free: nothing leaked."""
+    def assert_invariants(self, seqs: list[Sequence], scheduled: list[tuple[Sequence, int]] = ()) -> None:
+        """Check the invariants above against `seqs`, all the live requests, and this step's plan
+        `scheduled` if it has not run yet; raise AssertionError naming what broke. With no live
+        request every block must be free: nothing leaked."""
+        # tokens computed by the end of this step, as the invariants mean it
+        computed = {id(seq): seq.num_computed_tokens for seq in seqs}
+        computed.update((id(seq), seq.num_computed_tokens + num_new) for seq, num_new in scheduled)
         holders: dict[int, list[tuple[Sequence, int]]] = {}  # block_id -> [(seq, index in its block table)]
         for seq in seqs:
             assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} holds a block twice"
@@ -164,9 +178,10 @@ class BlockManager:
             where = f"block {block.block_id} with ref_cnt {block.ref_cnt}, in {len(held)} block tables,"
             assert block.ref_cnt == len(held), f"{where} has a wrong ref_cnt"
             assert (block.ref_cnt == 0) == (block.block_id in self.free_queue), f"{where} must be free iff unused"
-            # A shared block is read-only: full, and computed by every request that holds it.
-            assert len(held) < 2 or all(i < seq.num_computed_tokens // self.block_size for seq, i in held), \
-                f"{where} is shared but not full and computed in {[seq for seq, _ in held]}"
+            # A shared or cached block is read-only: full, and computed by every request that holds it.
+            assert (len(held) < 2 and block.hash is None) or all((i + 1) * self.block_size <= computed[id(seq)]
+                                                                 for seq, i in held), \
+                f"{where} is shared or cached but not full and computed in {[seq for seq, _ in held]}"
         for block_hash, block_id in self.cached_blocks.items():
             block = self.blocks[block_id]
             assert block.hash == block_hash, f"the prefix cache maps {block_hash.hex()} to block {block_id}"
@@ -175,9 +190,12 @@ class BlockManager:
 
     def assert_writable(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """Check one step's plan: the slots each request writes, [num_computed_tokens,
-        num_computed_tokens + num_new), lie in blocks that no other request holds (ref_cnt 1)."""
+        num_computed_tokens + num_new), lie in its blocks, and no block is written by two requests.
+        Others may hold a block written now only if it is full after this step and they read it
+        (assert_invariants): never before the step that writes it."""
+        writers: dict[int, Sequence] = {}
         for seq, num_new in scheduled:
             end = seq.num_computed_tokens + num_new
             assert end <= len(seq.block_table) * self.block_size, f"{seq} writes {num_new} slots past its blocks"
             for block_id in seq.block_table[seq.num_computed_tokens // self.block_size:cdiv(end, self.block_size)]:
-                assert self.blocks[block_id].ref_cnt == 1, f"{seq} writes into shared block {block_id}"
+                assert writers.setdefault(block_id, seq) is seq, f"block {block_id} written by {writers[block_id]} and {seq}"

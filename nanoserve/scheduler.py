@@ -6,7 +6,10 @@ Continuous batching works token by token, not request by request. Each step has 
    that did not fit in earlier steps (chunked prefill). Prefill chunks and decodes mix freely:
    "all requests' current tokens flattened into one batch".
 2. Then waiting requests are admitted first come, first served, while budget, blocks and
-   `max_num_seqs` allow. A prefix-cache hit counts as already computed.
+   `max_num_seqs` allow, and while 2 free blocks per running request are left for their next
+   tokens (`blocks_to_keep_free`: admitting into those would only preempt someone a few steps
+   later). A prefix-cache hit counts as already computed, even for blocks that a request admitted
+   earlier in this step fills (block_manager.py says why that is safe).
 When blocks run out, a prefill chunk first shrinks to what the free blocks hold; if not even one
 token fits, the newest running request is preempted by recompute: its blocks are freed and it goes
 back to the front of the queue, ahead of requests that never ran. Its tokens are kept, so nothing
@@ -29,7 +32,7 @@ from __future__ import annotations
 from collections import deque
 
 from nanoserve.block_manager import BlockManager
-from nanoserve.config import Config
+from nanoserve.config import Config, cdiv
 from nanoserve.sequence import Sequence, SequenceStatus
 
 ScheduledSeq = tuple[Sequence, int]  # a request and how many of its tokens run this step
@@ -83,6 +86,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self.block_manager.num_free_slots(seq))
             allocated = self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
             assert allocated, f"{seq}: {num_new} free slots but no blocks"
+            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
             scheduled.append((seq, num_new))
             budget -= num_new
         return scheduled, preempted
@@ -105,13 +109,14 @@ class Scheduler:
         # budget (their prompts then run in chunks over the next steps).
         while self.waiting and (budget > 0 or static) and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            # Blocks enter the prefix cache only in `update`, after the step that computed them: two
-            # requests admitted in the same step share no prefix, even with the same system prompt.
+            # Blocks enter the prefix cache when the step that fills them is scheduled: a request
+            # admitted after another in this step shares the blocks that one fills (block_manager.py).
             cached_prefix = self.block_manager.find_cached_prefix(seq)
             num_computed = len(cached_prefix) * self.config.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
-            if not self.block_manager.allocate(seq, self.slots_to_reserve(seq, num_computed + num_new), cached_prefix):
-                break
+            if not self.block_manager.allocate(seq, self.slots_to_reserve(seq, num_computed + num_new), cached_prefix,
+                                               self.blocks_to_keep_free()):
+                break  # first come, first served: no one behind it may pass
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_computed
@@ -119,6 +124,7 @@ class Scheduler:
                 seq.num_cached_tokens = min(num_computed, seq.num_prompt_tokens)
                 self.num_cached_tokens += seq.num_cached_tokens
             self.running.append(seq)
+            self.block_manager.cache_full_blocks(seq, num_computed + num_new)
             if num_new > 0:
                 scheduled.append((seq, num_new))
                 budget -= num_new
@@ -127,11 +133,27 @@ class Scheduler:
     def slots_to_reserve(self, seq: Sequence, num_tokens_now: int) -> int:
         """KV slots seq takes when admitted. Continuous batching: only what this step writes; later
         steps take blocks as tokens arrive. Static batching, difference 3 of 3: the whole request up
-        front, prompt + max_tokens - 1 (the last sampled token is never fed back, so its KV is never
-        stored), because nobody knows when it will stop: so it is never preempted."""
+        front, because nobody knows when it will stop: so it is never preempted."""
         if self.config.scheduling == "continuous":
             return num_tokens_now
+        return self.max_kv_len(seq)
+
+    def max_kv_len(self, seq: Sequence) -> int:
+        """The most KV seq can ever hold: prompt + max_tokens - 1 (the last sampled token is never
+        fed back, so its KV is never stored), or max_model_len."""
         return min(seq.num_prompt_tokens + seq.params.max_tokens - 1, self.max_model_len)
+
+    def blocks_to_keep_free(self) -> int:
+        """What an admission must leave free: the blocks the running requests need for their next
+        2 * block_size tokens (fewer for one that stops sooner). Without it, requests are admitted
+        while blocks last and the newest are preempted and recomputed a few steps later, as the
+        running ones grow (docs/batching.md measures it). With nothing running it is 0: a request
+        the cache can hold is always admitted. Static batching reserves whole requests instead."""
+        if self.config.scheduling == "static":
+            return 0
+        block_size = self.config.block_size
+        return sum(cdiv(min(seq.num_tokens + 2 * block_size, self.max_kv_len(seq)), block_size) - len(seq.block_table)
+                   for seq in self.running)
 
     def preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop seq's KV and requeue it at the front."""
@@ -149,7 +171,6 @@ class Scheduler:
         finished = []
         for seq, num_new in scheduled:
             seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt: no token yet
             seq.append_token(next(sampled_iter))
@@ -190,7 +211,7 @@ class Scheduler:
                    for s in self.waiting), f"a waiting request is not WAITING or holds KV: {list(self.waiting)}"
         assert all(s.status is SequenceStatus.RUNNING for s in self.running), f"bad running: {self.running}"
         assert len(self.running) <= self.config.max_num_seqs, f"{len(self.running)} running > max_num_seqs"
-        self.block_manager.assert_invariants(live)
+        self.block_manager.assert_invariants(live, scheduled or ())
         if scheduled is not None:
             seqs = [seq for seq, _ in scheduled]
             assert len(set(map(id, seqs))) == len(seqs) and all(s in self.running for s in seqs), f"bad plan {scheduled}"

@@ -4,12 +4,15 @@ import json
 import time
 
 import httpx
+import pytest
 import torch
+
+from conftest import build_tiny_llama
 
 import nanoserve
 from nanoserve import LLMEngine
-from nanoserve.bench import (Machine, ModelShape, PeerRow, Step, main, make_workload, parse_batched_bench, peer_table,
-                             run_transformers_batch, step_limit, stream_completion)
+from nanoserve.bench import (Machine, ModelShape, OnlineRun, PeerRow, Step, main, make_workload, online_report,
+                             parse_batched_bench, peer_table, run_transformers_batch, step_limit, stream_completion)
 from nanoserve.config import Config
 from nanoserve.serve import ServerThread, build_app
 
@@ -29,6 +32,66 @@ def test_online_mode_runs(tiny_models, capsys):
           "--kv-cache-tokens", "128", "--online", "--rates", "50"])
     table = capsys.readouterr().out
     assert "| continuous | 50 |" in table and "| static | 50 |" in table
+
+
+# Catches: SLOs compared in the wrong unit (seconds against milliseconds), a request counted good
+# when it meets only one SLO, goodput divided by the wrong duration.
+def test_goodput_counts_requests_that_meet_every_slo_per_second():
+    run = OnlineRun("continuous", 4.0, ttft=[0.5, 1.5, 0.2, 0.9], tpot=[0.05, 0.05, 0.2, 0.1],
+                    latency=[2.0, 3.0, 9.0, 6.0], seconds=4.0)
+    assert run.goodput({"ttft": 1000, "tpot": 100}) == 2 / 4.0      # requests 0 and 3
+    assert run.goodput({"ttft": 1000}) == 3 / 4.0
+    assert run.goodput({"ttft": 1000, "tpot": 100, "e2el": 5000}) == 1 / 4.0
+
+
+# Catches: the peak taken over both schedulers, or the ratio taken at continuous batching's own peak.
+def test_online_report_finds_each_peak_and_compares_at_statics():
+    def run(scheduling, rate, good):  # `good` of 4 requests meet ttft <= 1 s, over 2 seconds
+        return OnlineRun(scheduling, rate, [0.1] * good + [5.0] * (4 - good), [0.01] * 4, [1.0] * 4, 2.0)
+    runs = [run("continuous", 1, 2), run("continuous", 2, 3), run("continuous", 4, 4),
+            run("static", 1, 2), run("static", 2, 1), run("static", 4, 0)]
+    lines = online_report(runs, {"ttft": 1000}).splitlines()
+    assert lines[0].startswith("| scheduling | rate (req/s) |") and "goodput (req/s; ttft <= 1000 ms)" in lines[0]
+    assert lines[2] == "| continuous | 1 | 5.00 / 5.00 | 10.0 / 10.0 | 1.00 | 2.0 |"  # p50 of [0.1, 0.1, 5, 5]
+    assert "continuous: goodput peaks at 2.00 req/s, offered 4 req/s" in lines
+    assert "static: goodput peaks at 1.00 req/s, offered 1 req/s" in lines
+    assert lines[-1] == "at 1 req/s, static batching's peak: continuous ÷ static goodput = 1.00x"
+
+
+def test_online_mode_reports_goodput_and_refuses_a_bad_slo(tiny_models, capsys):
+    main(["--model", tiny_models["gqa"], "--num-requests", "3", "--input-len", "4-8", "--output-len", "2-4",
+          "--kv-cache-tokens", "128", "--online", "--rates", "50", "--goodput", "ttft:60000", "tpot:1000"])
+    out = capsys.readouterr().out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| continuous | 50 |")]
+    assert len(rows) == 1 and float(rows[0][4]) > 0  # a minute per first token: every request is good
+    assert "continuous ÷ static goodput = " in out
+    for bad in ("ttft=100", "itl:5", "tpot:-1", "tpot:fast"):
+        with pytest.raises(SystemExit):
+            main(["--model", tiny_models["gqa"], "--online", "--goodput", bad])
+        assert "an SLO is ttft:MS" in capsys.readouterr().err
+
+
+# Catches: prompt tokens counted as output in nano-vllm's table, or its lengths lost.
+def test_nanovllm_workload_prints_nano_vllms_table(tiny_models, capsys):
+    main(["--model", tiny_models["gqa"], "--workload", "nanovllm", "--num-requests", "6", "--kv-cache-tokens", "2048"])
+    out = capsys.readouterr().out
+    workload = make_workload(6, (13, 128), (13, 128), 256, 0)
+    assert "6 requests" in out and "| Inference Engine | Output Tokens | Time (s) | Throughput (tokens/s) |" in out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith(("| nanoserve | ", "| static | "))][-2:]
+    assert [row[1] for row in rows] == [f"{sum(r.output_len for r in workload):,}"] * 2
+
+
+# Catches: requests admitted in the same step not sharing the system prompt (the bug: each computed
+# it), or cached tokens not counted.
+def test_shared_prefix_workload_computes_the_system_prompt_once(tmp_path, capsys):
+    path = build_tiny_llama(str(tmp_path / "model"), max_position_embeddings=512)
+    main(["--model", path, "--workload", "shared-prefix", "--num-requests", "5"])
+    out = capsys.readouterr().out
+    workload = make_workload(5, (16, 64), (16, 64), 256, 0, shared_prefix=256)
+    prompt_tokens = sum(len(r.prompt) for r in workload)
+    on, off = ([int(x) for x in line.split(" | ")[1:3]] for line in out.splitlines() if line.startswith(("| on |", "| off |")))
+    assert off == [prompt_tokens, 0]
+    assert on == [prompt_tokens - 4 * 256, 4 * 256]  # one request computes it, the 4 others share it
 
 
 def test_tensor_parallel_mode_compares_one_process_with_two_ranks(tiny_models, capsys):

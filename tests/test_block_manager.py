@@ -12,11 +12,12 @@ def make_seq(tokens: list[int], request_id: str = "r") -> Sequence:
 
 
 def run_prefill(bm: BlockManager, seq: Sequence) -> None:
-    """Allocate seq's whole prompt (with any cache hit) and mark it computed, as one step would."""
+    """Allocate seq's whole prompt (with any cache hit), cache its full blocks and mark it
+    computed, as scheduling one step and running it would."""
     hits = bm.find_cached_prefix(seq)
     assert bm.allocate(seq, seq.num_tokens, hits)
+    bm.cache_full_blocks(seq, seq.num_tokens)
     seq.num_computed_tokens = seq.num_tokens
-    bm.cache_full_blocks(seq)
 
 
 def test_walkthrough_block_tables_skip_the_null_block():

@@ -3,18 +3,23 @@
 First, many random workloads through Scheduler + BlockManager + build_batch only. The model is a
 fake: the KV it stores for a token is a hash of the whole prefix up to that token (as real K/V
 depends on everything before it), and the token it samples is a function of the KV the request's
-block table reads back. So a request that reads a slot another request overwrote, or loses a token
-in a preemption, sees different KV and the test fails. Then a few random workloads end to end
-through LLMEngine on a tiny Llama, compared with transformers.
+block table reads back. Like every attention layer, it stores all of a step's KV before any request
+reads; a block handed out afresh loses what it held. So a request that reads a slot another request
+overwrote, or that nobody has written yet (a block shared before the step that fills it), or loses a
+token in a preemption, sees different KV and the test fails; first-come-first-served admission is
+checked too. Then a few random workloads end to end through LLMEngine on a tiny Llama, compared with
+transformers.
 """
 import random
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from conftest import hf_greedy
+from conftest import greedy, hf_greedy, reference
 from nanoserve import LLM, SamplingParams
 from nanoserve.batch import build_batch
+from nanoserve.block_manager import Block, BlockManager
 from nanoserve.config import Config
 from nanoserve.scheduler import ScheduledSeq, Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus
@@ -85,8 +90,9 @@ def next_token(context_kv: list[int]) -> int:
 
 
 def run_fake_model(scheduled: list[ScheduledSeq], kv_cache: dict[int, int], block_size: int) -> list[int]:
-    """Write this step's KV by slot_mapping, read each request's context through its block table
-    (as attention does) and check it is exactly the request's tokens; sample the fake next token."""
+    """Write this step's KV by slot_mapping, then read each request's context through its block
+    table (as attention does, in every layer) and check it is exactly the request's tokens; sample
+    the fake next token."""
     batch = build_batch(scheduled, block_size, "cpu")
     positions = [p for seq, n in scheduled for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n)]
     slots = [seq.block_table[p // block_size] * block_size + p % block_size
@@ -97,6 +103,7 @@ def run_fake_model(scheduled: list[ScheduledSeq], kv_cache: dict[int, int], bloc
     sampled = []
     for (seq, num_new), table, seq_len in zip(scheduled, batch.block_tables.tolist(), batch.seq_lens.tolist()):
         context = [kv_cache.get(table[p // block_size] * block_size + p % block_size) for p in range(seq_len)]
+        assert None not in context, f"{seq} reads slot {table[context.index(None) // block_size]} before anyone wrote it"
         assert context == kv_of(seq.token_ids[:seq_len]), f"{seq} reads KV that is not its own"
         if seq.num_computed_tokens + num_new == seq.num_tokens:
             sampled.append(next_token(context))
@@ -123,15 +130,39 @@ MID_BLOCK_PREFIX_HIT = Workload(
     eos_token_ids=set())
 
 
+# Four requests with one system prompt (3 blocks and a half) arrive together; the first fills the
+# blocks that the others share in the same step.
+SAME_STEP_PREFIX_HIT = Workload(
+    Config(model="unused", block_size=4, num_kvcache_blocks=21, max_num_batched_tokens=64, max_num_seqs=4),
+    num_blocks=21, max_model_len=20, requests=[Request([3, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, i], 3, 0, None, [], True)
+                                               for i in range(4)], eos_token_ids=set())
+# Static batching admits past the token budget: the second request is admitted while the first has
+# filled only 1 of the 2 blocks they could share.
+SAME_STEP_MID_BLOCK = Workload(
+    Config(model="unused", block_size=4, num_kvcache_blocks=9, max_num_batched_tokens=6, scheduling="static"),
+    num_blocks=9, max_model_len=12, requests=[Request([1, 2, 3, 0, 1, 2, 3, 0, 1, i], 2, 0, None, [], True)
+                                              for i in range(2)], eos_token_ids=set())
+
+
 @settings(max_examples=200, deadline=None, database=None)
 @given(workloads())
 @example(MID_BLOCK_PREFIX_HIT)
+@example(SAME_STEP_PREFIX_HIT)
+@example(SAME_STEP_MID_BLOCK)
 def test_random_workloads_keep_every_invariant(w: Workload):
     sched = Scheduler(w.config, w.num_blocks, w.max_model_len, eos_token_ids=w.eos_token_ids)
     seqs = [Sequence(str(i), None, r.prompt, SamplingParams(temperature=0, max_tokens=r.max_tokens,
                                                             stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos))
             for i, r in enumerate(w.requests)]
     kv_cache: dict[int, int] = {}
+    block_manager, block_size = sched.block_manager, w.config.block_size
+
+    def evict(block: Block) -> None:  # a block handed out afresh will be overwritten: its KV is gone
+        for slot in range(block.block_id * block_size, (block.block_id + 1) * block_size):
+            kv_cache.pop(slot, None)
+        BlockManager.evict(block_manager, block)
+    block_manager.evict = evict
+    arrived: list[Sequence] = []  # in arrival order
     last_arrival = max(r.arrival_step for r in w.requests)
     # Each step the oldest running request runs >= 1 token and is never preempted (it always fits
     # alone), so every request finishes within len(prompt) + max_tokens steps of reaching the front.
@@ -140,6 +171,7 @@ def test_random_workloads_keep_every_invariant(w: Workload):
         for seq, r in zip(seqs, w.requests):
             if r.arrival_step == step:
                 sched.add(seq)
+                arrived.append(seq)
             if r.abort_step == step and r.arrival_step <= step and not seq.is_finished:
                 sched.finish(seq, "abort")
         sched.assert_invariants()
@@ -147,6 +179,10 @@ def test_random_workloads_keep_every_invariant(w: Workload):
             break
         scheduled = sched.schedule()
         sched.assert_invariants(scheduled)
+        # First come, first served: no request is ever admitted before one that arrived earlier.
+        admitted = [seq.num_cached_tokens is not None for seq in arrived if seq.num_cached_tokens is not None
+                    or not seq.is_finished]  # (aborted while waiting)
+        assert admitted == sorted(admitted, reverse=True), f"FCFS broken: {arrived}"
         assert scheduled or not sched.has_unfinished(), f"step {step} scheduled nothing: deadlock"
         if scheduled:
             sched.update(scheduled, run_fake_model(scheduled, kv_cache, w.config.block_size))
@@ -204,3 +240,83 @@ def test_random_arrivals_and_preemption_match_transformers(tiny_models):
             assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), (i, block_size)
         num_preemptions += engine.scheduler.num_preemptions
     assert num_preemptions > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Same-step prefix sharing end to end: one system prompt, requests admitted in the same step.
+
+SYSTEM = [random.Random(7).randrange(3, 256) for _ in range(18)]  # 4 full blocks of 4, and 2 tokens
+SHARED = [SYSTEM + [10 + i, 20 + i, 30 + i][:1 + i % 3] for i in range(5)]
+SHARED_MAX_TOKENS = [6, 9, 4, 7, 5]
+
+
+def serve_shared(engine, requests: list[int]) -> dict[str, object]:
+    """Add `requests` (indexes into SHARED) together, step until they finish; outputs by request id."""
+    for i in requests:
+        engine.add_request(SHARED[i], SamplingParams(temperature=0, max_tokens=SHARED_MAX_TOKENS[i]), str(i))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step().outputs)
+        engine.assert_invariants()
+    return outputs
+
+
+def test_one_system_prompt_admitted_together_is_computed_once_whatever_the_batch_order(tiny_models):
+    """Every layer stores all of the step's k, v before any attention reads them, so a request may
+    read, in the same step, the blocks that another one fills, before or after it in the batch.
+    Catches: a step that attends before storing another request's keys, a batch order that matters."""
+    path = tiny_models["gqa"]
+    expected = reference(path, SHARED, SHARED_MAX_TOKENS)
+    for reverse in (False, True):
+        engine = LLM(path, block_size=4).engine
+        if reverse:  # the readers run before the request that writes their shared blocks
+            schedule = engine.scheduler.schedule
+            engine.scheduler.schedule = lambda: schedule()[::-1]
+        for i in range(5):
+            engine.add_request(SHARED[i], SamplingParams(temperature=0, max_tokens=SHARED_MAX_TOKENS[i]), str(i))
+        first = engine.step()
+        assert first.num_prefill_tokens == len(SHARED[0]) + sum(len(p) - 16 for p in SHARED[1:])
+        outputs = serve_shared(engine, [])
+        outputs.update((o.request_id, o) for o in first.outputs)
+        assert [outputs[str(i)].token_ids for i in range(5)] == expected
+        assert [outputs[str(i)].num_cached_tokens for i in range(5)] == [0, 16, 16, 16, 16]
+
+
+def test_a_step_that_fails_leaves_no_unwritten_block_in_the_prefix_cache(tiny_models):
+    """The blocks a failed step would have filled were cached when it was scheduled; generate aborts
+    its requests, and those blocks must leave the cache with them. Catches: the next requests with
+    the same system prompt reading KV that was never written (zeros), silently."""
+    path = tiny_models["gqa"]
+    llm = LLM(path, block_size=4)
+    run = llm.engine.model_runner.run
+
+    def fail(*args):
+        raise RuntimeError("boom")
+    llm.engine.model_runner.run = fail
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(SHARED, [greedy(n) for n in SHARED_MAX_TOKENS], use_tqdm=False)
+    llm.engine.model_runner.run = run
+    assert not llm.engine.scheduler.block_manager.cached_blocks
+    outputs = llm.generate(SHARED, [greedy(n) for n in SHARED_MAX_TOKENS], use_tqdm=False)
+    assert [o.token_ids for o in outputs] == reference(path, SHARED, SHARED_MAX_TOKENS)
+    assert [o.num_cached_tokens for o in outputs] == [0, 16, 16, 16, 16]
+
+
+def test_the_writer_aborted_or_preempted_leaves_its_readers_their_kv(tiny_models):
+    """Request 0 fills the system prompt's blocks that the others share from the same step. Aborting
+    it after that step keeps them cached (they are computed): a later request still hits them. In a
+    cache too small for all, the writer and readers are preempted and recomputed; outputs unchanged."""
+    path = tiny_models["gqa"]
+    expected = reference(path, SHARED, SHARED_MAX_TOKENS)
+    engine = LLM(path, block_size=4).engine
+    for i in range(3):
+        engine.add_request(SHARED[i], SamplingParams(temperature=0, max_tokens=SHARED_MAX_TOKENS[i]), str(i))
+    engine.step()
+    engine.abort_request("0")
+    outputs = serve_shared(engine, [3])
+    assert outputs["3"].num_cached_tokens == 16  # request 0's blocks, still cached
+    assert [outputs[str(i)].token_ids for i in (1, 2, 3)] == [expected[i] for i in (1, 2, 3)]
+    small = LLM(path, block_size=4, num_kvcache_blocks=12, max_model_len=32).engine  # 11 blocks for 5 requests
+    outputs = serve_shared(small, range(5))
+    assert small.scheduler.num_preemptions > 0
+    assert [outputs[str(i)].token_ids for i in range(5)] == expected

@@ -24,10 +24,12 @@ def add(sched: Scheduler, prompt: list[int], max_tokens: int = 4, request_id: st
 
 
 def step(sched: Scheduler) -> list[tuple[Sequence, int]]:
-    """Schedule one step and pretend the model ran it."""
+    """Schedule one step and pretend the model ran it; the invariants hold for the plan and after."""
     scheduled = sched.schedule()
+    sched.assert_invariants(scheduled)
     num_samples = sum(seq.num_computed_tokens + n == seq.num_tokens for seq, n in scheduled)
     sched.update(scheduled, [NEXT_TOKEN] * num_samples)
+    sched.assert_invariants()
     return scheduled
 
 
@@ -94,16 +96,16 @@ def test_preemption_by_recompute_loses_nothing():
 
 
 def test_preempted_request_goes_back_to_the_front_and_newest_is_chosen():
-    sched = make_scheduler(num_blocks=5, block_size=2)  # 4 usable blocks
+    sched = make_scheduler(num_blocks=7, block_size=2)  # 6 usable blocks
     old = add(sched, [1, 2, 3], max_tokens=10, request_id="old")
     new = add(sched, [4, 5, 6], max_tokens=10, request_id="new")
-    step(sched)  # both prefilled: 2 blocks each, all 4 used; each samples its 4th token
-    step(sched)  # both decode position 3, still in their 2nd block
-    assert sched.block_manager.num_free_blocks == 0
-    step(sched)  # old decodes position 4 into a 3rd block: none free, so the newest is preempted
+    step(sched)  # both prefilled: 2 blocks each, leaving the 2 that old's next 4 tokens need
+    step(sched), step(sched), step(sched)  # both decode into a 3rd block: all 6 used
+    assert sched.block_manager.num_free_blocks == 0 and sched.num_preemptions == 0
+    step(sched)  # old decodes position 6 into a 4th block: none free, so the newest is preempted
     assert new.status is SequenceStatus.WAITING and new.block_table == [] and new.num_computed_tokens == 0
     assert sched.waiting[0] is new and sched.running == [old]
-    assert new.token_ids == [4, 5, 6, NEXT_TOKEN, NEXT_TOKEN]  # its sampled token is kept for the recompute
+    assert new.token_ids == [4, 5, 6] + [NEXT_TOKEN] * 4  # its sampled tokens are kept for the recompute
 
 
 def test_static_batching_waits_for_the_whole_batch_and_reserves_up_front():
@@ -190,16 +192,17 @@ def test_a_chunk_shrinks_to_the_free_blocks_before_anyone_is_preempted():
 
 
 def test_a_preempted_request_goes_back_ahead_of_those_already_waiting_and_nothing_joins_that_step():
-    sched = Scheduler(Config(model="unused", block_size=2, max_num_seqs=2), 5, max_model_len=8, eos_token_ids=set())
+    sched = Scheduler(Config(model="unused", block_size=2, max_num_seqs=2), 7, max_model_len=12, eos_token_ids=set())
     old = add(sched, [1, 2, 3], max_tokens=10, request_id="old")
     new = add(sched, [4, 5, 6], max_tokens=10, request_id="new")
     late = add(sched, [7], max_tokens=1, request_id="late")  # waits: two seats only
-    step(sched), step(sched)
+    step(sched), step(sched), step(sched), step(sched)
     assert sched.block_manager.num_free_blocks == 0 and list(sched.waiting) == [late]
-    scheduled = step(sched)  # old needs a 3rd block: new is preempted
+    scheduled = step(sched)  # old needs a 4th block: new is preempted
     assert list(sched.waiting) == [new, late]  # first come, first served: new arrived before late
     # A seat and 2 blocks are free now, but a step that preempted admits no one.
     assert [s for s, _ in scheduled] == [old] and sched.running == [old]
+    assert sched.block_manager.num_free_blocks == 2
 
 
 def test_a_step_that_preempted_admits_no_one():
@@ -216,13 +219,86 @@ def test_a_step_that_preempted_admits_no_one():
 
 
 def test_num_cached_tokens_counts_prompt_hits_at_first_admission_only():
-    sched = Scheduler(Config(model="unused", block_size=2), 6, max_model_len=10, eos_token_ids=set())
-    add(sched, [1, 2, 3], max_tokens=3, request_id="old")
-    new = add(sched, [4, 5, 6, 7, 8], max_tokens=4, request_id="new")
-    while new.status is not SequenceStatus.WAITING or not new.output_token_ids:
-        step(sched)  # until new is preempted; its full blocks stay in the prefix cache
+    sched = Scheduler(Config(model="unused", block_size=2), 8, max_model_len=12, eos_token_ids=set())
+    add(sched, [1, 2, 3], max_tokens=8, request_id="old")
+    new = add(sched, [4, 5, 6, 7, 8], max_tokens=6, request_id="new")
+    for _ in range(20):  # until new is preempted; its full blocks stay in the prefix cache
+        step(sched)
+        if new.status is SequenceStatus.WAITING:
+            break
+    assert new.status is SequenceStatus.WAITING and new.output_token_ids
     while new.status is SequenceStatus.WAITING:
-        scheduled = sched.schedule()
-        sched.update(scheduled, [NEXT_TOKEN] * sum(s.num_computed_tokens + n == s.num_tokens for s, n in scheduled))
+        scheduled = step(sched)
     assert new.num_computed_tokens - dict((s.request_id, n) for s, n in scheduled)["new"] > 0  # it re-found its blocks...
     assert new.num_cached_tokens == 0 and sched.num_cached_tokens == 0  # ...which are no prefix-cache hit
+
+
+def test_requests_admitted_in_one_step_share_the_system_prompt_blocks_the_first_one_fills():
+    # The bug: blocks entered the prefix cache only after the step that computed them, so N requests
+    # with one system prompt arriving together each computed it (block tables [1,2,3] and [4,5,6]).
+    sched = make_scheduler(block_size=4)
+    system = list(range(100, 113))  # 13 tokens: 3 full blocks, and a 4th the suffix completes differently
+    seqs = [add(sched, system + [i, i + 1], max_tokens=2, request_id=f"r{i}") for i in range(5)]
+    scheduled = sched.schedule()
+    sched.assert_invariants(scheduled)
+    assert [n for _, n in scheduled] == [15] + [3] * 4  # the others run only from position 12
+    assert [s.num_cached_tokens for s in seqs] == [0] + [12] * 4
+    assert all(s.block_table[:3] == seqs[0].block_table[:3] for s in seqs)
+    assert len({s.block_table[3] for s in seqs}) == 5  # the 4th block is each one's own
+    assert sched.num_cached_tokens == 48
+    sched.update(scheduled, [NEXT_TOKEN] * 5)
+    sched.assert_invariants()
+
+
+def test_a_chunk_that_stops_mid_prompt_lets_the_same_step_share_only_the_blocks_it_fills():
+    # Static batching admits the whole batch past the token budget: "a" runs 6 of its 13 tokens in
+    # step 1, filling block 1 and half of block 2, and "b" is admitted in the same step with nothing
+    # to run yet. It may share block 1 only: block 2 is not full, nor computed, until "a" runs on.
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=6, scheduling="static")
+    system = list(range(100, 112))
+    a = add(sched, system + [1], max_tokens=2, request_id="a")
+    b = add(sched, system + [2], max_tokens=2, request_id="b")
+    scheduled = sched.schedule()
+    sched.assert_invariants(scheduled)
+    assert scheduled == [(a, 6)] and b.status is SequenceStatus.RUNNING
+    assert (b.num_cached_tokens, b.num_computed_tokens) == (4, 4) and b.block_table[0] == a.block_table[0]
+    assert b.block_table[1] != a.block_table[1]
+    while sched.has_unfinished():
+        step(sched)
+    assert a.output_token_ids == b.output_token_ids == [NEXT_TOKEN] * 2
+
+
+def test_the_head_of_the_queue_is_never_passed_by_a_smaller_request():
+    # First come, first served: "big" waits for blocks; "small" behind it would fit at once but must
+    # not jump the queue (the bug: a head that does not fit rotated to the back).
+    sched = make_scheduler(num_blocks=7, block_size=4)  # 6 usable blocks
+    running = add(sched, list(range(1, 13)), max_tokens=3, request_id="running")  # 3 blocks, then a 4th
+    step(sched)
+    big = add(sched, list(range(20, 31)), max_tokens=1, request_id="big")  # 3 blocks: 2 are free
+    small = add(sched, [40], max_tokens=1, request_id="small")            # 1 block
+    while running.status is SequenceStatus.RUNNING:
+        assert [s for s, _ in step(sched)] == [running]
+        assert list(sched.waiting) == [big, small]
+    assert [s for s, _ in step(sched)] == [big, small]  # in arrival order, once big fits
+
+
+def test_admission_keeps_blocks_free_for_the_running_requests_next_tokens(monkeypatch):
+    # The bug it catches: admitting while free blocks last, so that the newcomer is preempted and
+    # recomputed a few steps later as the running requests grow.
+    def serve(reserve: bool) -> tuple[Scheduler, list[Sequence]]:
+        sched = make_scheduler(num_blocks=9, block_size=4)  # 8 usable blocks
+        if not reserve:
+            monkeypatch.setattr(sched, "blocks_to_keep_free", lambda: 0)
+        first = add(sched, list(range(1, 13)), max_tokens=12, request_id="first")  # 3 blocks, up to 6
+        step(sched)
+        late = add(sched, list(range(20, 32)), max_tokens=8, request_id="late")   # 3 blocks, up to 5
+        waits = [s for s, _ in step(sched)] == [first]
+        while sched.has_unfinished():
+            step(sched)
+        assert first.output_token_ids == [NEXT_TOKEN] * 12 and late.output_token_ids == [NEXT_TOKEN] * 8
+        return sched, waits
+    # first's next 8 tokens need 3 more blocks: of the 5 free, late may take only 2, and waits.
+    sched, late_waited = serve(reserve=True)
+    assert late_waited and sched.num_preemptions == 0
+    sched, late_waited = serve(reserve=False)
+    assert not late_waited and sched.num_preemptions > 0
