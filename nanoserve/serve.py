@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict
 
 from nanoserve.config import Config
-from nanoserve.engine import LLMEngine, RequestDelta, RequestOutput
+from nanoserve import LLMEngine, RequestDelta, RequestOutput
 from nanoserve.sampler import SamplingParams
 
 
@@ -354,8 +354,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
 
     @app.get("/health")
     async def health() -> Response:
-        workers = engine.model_runner.workers  # tensor parallelism: stopped after a failed step, for good
-        return Response(status_code=503 if workers is not None and not workers.processes else 200)
+        return Response(status_code=200 if engine.model_runner.healthy else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

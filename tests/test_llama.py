@@ -20,7 +20,7 @@ from transformers import GPT2Config, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from nanoserve.batch import Batch
-from nanoserve.model_runner import resolve_dtype
+from nanoserve.device import resolve_dtype
 from nanoserve.models import llama
 from nanoserve.models.llama import PackedLinear, load_model
 

@@ -19,7 +19,8 @@ from conftest import greedy
 from nanoserve import LLM
 from nanoserve.models.llama import load_model
 from nanoserve.config import Config
-from nanoserve.parallel import Shard, Workers, check_tensor_parallel
+from nanoserve.distributed import Shard, check_tensor_parallel
+from nanoserve.parallel import Workers
 from nanoserve.models.llama import read_config
 from test_engine import MAX_TOKENS, PROMPTS
 

@@ -32,7 +32,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanoserve.attention import Attention, AttentionPlan, plan_for_batch
 from nanoserve.batch import Batch
-from nanoserve.parallel import Shard, all_reduce, embed, gather_on_rank0
+from nanoserve.distributed import Shard, all_reduce, embed, gather_on_rank0
 
 # Our fused parameter -> the checkpoint tensors stacked (dim 0, in this order) into it.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
