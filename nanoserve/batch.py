@@ -53,7 +53,8 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, device: 
 
     Request r runs its tokens [num_computed_tokens, num_computed_tokens + num_new): a whole prompt,
     a prompt chunk, or one decode token. Each request's positions count on from its
-    num_computed_tokens: 0, 1, ... for a new prompt, the token's index in its sequence for a decode.
+    num_computed_tokens: 0, 1, ... for a new prompt without a prefix-cache hit; after a hit of k
+    tokens, k, k + 1, ...; for a decode, the token's index in its sequence.
     """
     input_ids: list[int] = []
     query_lens, seq_lens, samples = [], [], []

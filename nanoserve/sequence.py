@@ -38,6 +38,8 @@ class Sequence:
         self.block_hashes: list[bytes] = []              # prefix-cache keys of the full blocks, in order
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None            # "stop" | "length" | "abort"
+        # TTFT and latency count from here: add_request, or the HTTP request's arrival when a server
+        # passes it (add_request's arrival_time), so time spent queued before the engine counts too.
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
