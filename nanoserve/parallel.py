@@ -103,6 +103,9 @@ class Workers:
         if process.is_alive():
             return None
         process.join()
+        if process.exitcode == 1:  # it failed before run_worker (which reports errors): as it importing the script
+            return ('died (exit code 1) before it started; its error is printed above. A worker imports the main '
+                    'script anew: one that starts tensor parallelism must guard it with `if __name__ == "__main__":`')
         return f"died (exit code {process.exitcode})"
 
     def wait_until_started(self) -> None:
@@ -111,9 +114,6 @@ class Workers:
         for rank in range(1, len(self.processes) + 1):
             while (message := self.report(rank, wait=0.1)) is None:
                 pass
-            if message.startswith("died"):  # most often: the spawned worker re-ran an unguarded script
-                message += ('; its own error is printed above. A script that starts tensor parallelism must '
-                            'guard its code with `if __name__ == "__main__":` (each worker imports it anew)')
             if message != "started":
                 raise RuntimeError(f"tensor-parallel worker {rank} failed to start: {message}")
 

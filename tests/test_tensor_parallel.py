@@ -258,6 +258,16 @@ def test_interpreter_exit_stops_the_workers(tiny_models):
     assert not children_alive(pids)
 
 
+def test_a_script_without_a_main_guard_is_told_why_its_worker_died(tiny_models, tmp_path):
+    """A spawned worker imports the script again; unguarded, it fails at start-up. The error must
+    say so: a bare "worker 1 died (exit code 1)" leaves the user guessing."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from nanoserve import LLM\nLLM({tiny_models['gqa']!r}, tensor_parallel_size=2)\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "worker 1 died (exit code 1)" in result.stderr and 'if __name__ == "__main__":' in result.stderr
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
 def test_tp2_on_two_gpus_matches_tp1(tiny_models):
