@@ -231,8 +231,8 @@ class EngineLoop:
             return
         except Exception as error:  # a bug: this request fails, the loop and the others go on
             logger.exception("add_request failed")
-            error = APIError(f"the engine could not take the request: {error!r}", status=500)
-            submit.replies.put(Failed(request_id, error))
+            failure = APIError(f"the engine could not take the request: {error!r}", status=500)
+            submit.replies.put(Failed(request_id, failure))
             return
         self.replies[request_id] = submit.replies
         self.unscheduled[request_id] = (submit.arrival_time, len(submit.token_ids))

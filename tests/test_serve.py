@@ -343,6 +343,20 @@ def test_a_prompt_too_long_by_its_bytes_is_never_tokenized(server, monkeypatch):
     assert post(server, "/v1/completions", dict(prompt="Mr. Darcy", max_tokens=2)).status_code == 200 and calls
 
 
+# Catches: chat templates rendered or prompts tokenized on the event loop (a 200k-message chat held
+# every stream for 10 s) or on the engine thread (every request waits).
+def test_templates_and_tokenizing_run_on_the_tokenizer_thread(server, monkeypatch):
+    tokenizer, threads = server.serving.tokenizer, []
+    for name in ("encode", "apply_chat_template"):
+        method = getattr(tokenizer, name)
+        monkeypatch.setattr(tokenizer, name, lambda *args, method=method, **kwargs:
+                            threads.append(threading.current_thread().name) or method(*args, **kwargs))
+    assert post(server, "/v1/completions", dict(prompt="Hi", max_tokens=2)).status_code == 200
+    reply = post(server, "/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=2))
+    assert reply.status_code == 200
+    assert len(threads) == 3 and all(name.startswith("nanoserve-tokenizer") for name in threads), threads
+
+
 # --- Authentication, models, health, tokenize ----------------------------------------------------
 
 # Catches: an API key that is not checked, checked by substring or prefix, a "bearer" in another case
