@@ -670,6 +670,8 @@ class Serving:
         # the text it covers, at most half more after Unicode normalization: x2 for safety.)
         longest = max((len(t.encode()) for t in self.tokenizer.get_vocab()), default=1) if self.tokenizer else 1
         self.max_prompt_bytes = 2 * longest * self.max_model_len
+        if self.tokenizer is not None:  # the first encode may reset truncation/padding settings: not while the
+            self.tokenizer.encode("")   # engine thread decodes with the same tokenizer ("Already borrowed")
 
     def workers_stopped(self) -> bool:
         workers = self.engine_loop.engine.model_runner.workers  # tensor parallelism: stopped after a failed step
