@@ -1054,6 +1054,8 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app(engine, args.served_model_name or args.model, args.api_key, limits)
     try:
         uvicorn_server(app, args.host, args.port, args.header_timeout, log_level="info").run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+        pass
     finally:
         engine.close()  # stops tensor-parallel workers
 
