@@ -86,6 +86,9 @@ class LLMEngine:
             raise InvalidRequest("request_id", f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self.requests:
             raise InvalidRequest("request_id", f"request_id {request_id!r} is already in use")
+        if params.n != 1:
+            raise InvalidRequest("n", f"n={params.n}: LLMEngine.add_request serves one completion; LLM.generate and "
+                                      "the server add n requests, one per SamplingParams.for_sample(i)")
         token_ids = tokenize(prompt, self.tokenizer, self.vocab_size)
         if len(token_ids) > self.max_model_len:
             raise InvalidRequest("prompt", f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
@@ -152,8 +155,7 @@ class LLMEngine:
         decode_ids = [seq.request_id for seq, n in scheduled if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens]
         batch = build_batch(scheduled, self.config.block_size, self.device)
         sampling = [seq for seq, n in scheduled if samples_now(seq, n)]
-        sampled = self.model_runner.run(batch, sampling)
-        finished = self.scheduler.update(scheduled, sampled)  # appends the tokens, stops, frees
+        finished = self.scheduler.update(scheduled, self.model_runner.run(batch, scheduled))  # appends, stops, frees
         for seq in finished:
             del self.requests[seq.request_id]
         return StepResult(batch, [(seq.request_id, n) for seq, n in scheduled], decode_ids,

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from tqdm import tqdm
 
@@ -35,9 +36,11 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Serve all prompts together; returns their outputs in input order. A single prompt (a
-        string or a list of token ids) is served as a list of one. A request aborted meanwhile
-        (through llm.engine, between steps) comes back with finish_reason "abort". If anything
-        fails, its requests are aborted before the error propagates: the engine is left idle."""
+        string or a list of token ids) is served as a list of one. A prompt with n > 1 becomes n
+        requests (SamplingParams.for_sample), whose completions come back in one output's `outputs`.
+        A request aborted meanwhile (through llm.engine, between steps) comes back with finish_reason
+        "abort". If anything fails, its requests are aborted before the error propagates: the engine
+        is left idle."""
         prompts = as_prompt_list(prompts)
         if self.engine.has_unfinished_requests():
             raise ValueError("LLM.generate needs an idle engine: requests added to llm.engine are "
@@ -46,14 +49,22 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
-        ids: list[str] = []
+        ids: list[list[str]] = []  # per prompt, its n requests
         try:
             for prompt, params in zip(prompts, sampling_params):
-                ids.append(self.engine.add_request(prompt, params))
-            return self.run_until_done(ids, use_tqdm)
+                params = params or SamplingParams()
+                ids.append([])  # before adding: a bad params' n > 1 fans out here, and fails on the first
+                ids[-1] += [self.engine.add_request(prompt, params.for_sample(i)) for i in range(params.n)]
+            outputs = self.run_until_done([request_id for group in ids for request_id in group], use_tqdm)
         except BaseException:  # a bad prompt, an error in a step, Ctrl-C: leave the engine idle
-            self.engine.discard(ids)  # these aborts are reported by raising, not by a step
+            self.engine.discard([request_id for group in ids for request_id in group])  # reported by raising
             raise
+        merged = []
+        for group in ids:  # one output per prompt, its requests' completions in order
+            first, *others = [outputs[request_id] for request_id in group]
+            first.outputs += [replace(other.outputs[0], index=i) for i, other in enumerate(others, start=1)]
+            merged.append(first)
+        return merged
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -73,8 +84,8 @@ class LLM:
             output.prompt = prompt
         return outputs
 
-    def run_until_done(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        """Step until every request in `ids` has an output; they are in input order."""
+    def run_until_done(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Step until every request in `ids` has an output; returns them by request id."""
         outputs: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
         start, num_prefill, num_decode = time.perf_counter(), 0, 0
@@ -88,7 +99,7 @@ class LLM:
             outputs.update((o.request_id, o) for o in result.outputs)
             bar.update(len(outputs) - bar.n)
         bar.close()
-        return [outputs[request_id] for request_id in ids]
+        return outputs
 
 
 def as_prompt_list(prompts: object) -> list[str] | list[list[int]]:

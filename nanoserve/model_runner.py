@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 
 from nanoserve.attention import select_backend
-from nanoserve.batch import Batch
+from nanoserve.batch import Batch, prompt_logprob_positions, samples_now
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config, cdiv
 from nanoserve.device import free_memory, resolve_dtype
 from nanoserve.distributed import Shard, broadcast_from_rank0
 from nanoserve.models.llama import load_model
-from nanoserve.sampler import sample
+from nanoserve.sampler import Logprob, SamplerOutput, sample, top_logprobs
 from nanoserve.sequence import Sequence
 
 
@@ -59,13 +59,23 @@ class ModelRunner:
         return max(0, min(int(budget // self.bytes_per_block(config.block_size)), most_needed))
 
     @torch.inference_mode()
-    def run(self, batch: Batch, seqs: list[Sequence]) -> list[int]:
-        """One forward pass over the flat batch, then sample one token per row of logits_indices;
-        `seqs` are the requests that sample, in batch order (none on a worker)."""
-        logits = self.model(batch, self.kv_cache)  # [S, vocab]: only the rows that sample
-        if not seqs:
-            return []
-        return sample(logits, [s.params for s in seqs], [s.num_tokens - s.num_prompt_tokens for s in seqs])
+    def run(self, batch: Batch, scheduled: list[tuple[Sequence, int]]) -> SamplerOutput:
+        """One forward pass over the flat batch, then one token for each request that samples now, with
+        the logprobs asked for. A worker (no `scheduled`: rank 0 samples) returns nothing."""
+        logits = self.model(batch, self.kv_cache)  # [S + P, vocab]: the rows that sample, then prompt-logprob rows
+        seqs = [seq for seq, num_new in scheduled if samples_now(seq, num_new)]
+        if not scheduled:
+            return SamplerOutput([], [], [])
+        sampling, prompt_rows = logits[:len(seqs)], logits[len(seqs):]  # [S, vocab], [P, vocab]
+        token_ids = sample(sampling, [s.params for s in seqs], [s.num_tokens - s.num_prompt_tokens for s in seqs])
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(seqs)
+        rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if rows:
+            chosen = torch.tensor([token_ids[row] for row in rows], device=logits.device)
+            for row, found in zip(rows, top_logprobs(sampling[rows], chosen, [seqs[r].params.logprobs for r in rows])):
+                logprobs[row] = found
+        num_top = [seq.params.prompt_logprobs for seq, n in scheduled for _ in prompt_logprob_positions(seq, n)]
+        return SamplerOutput(token_ids, logprobs, top_logprobs(prompt_rows, batch.next_token_ids, num_top))
 
     @property
     def healthy(self) -> bool:

@@ -21,6 +21,7 @@ from nanoserve.batch import Batch
 from nanoserve.config import Config
 from nanoserve.distributed import TIMEOUT, Shard, join_group, rank_device
 from nanoserve.model_runner import ModelRunner
+from nanoserve.sampler import SamplerOutput
 from nanoserve.sequence import Sequence
 
 
@@ -42,11 +43,11 @@ class TensorParallelRunner(ModelRunner):
             self.stop_workers_after(error)
             raise
 
-    def run(self, batch: Batch, seqs: list[Sequence]) -> list[int]:
+    def run(self, batch: Batch, scheduled: list[tuple[Sequence, int]]) -> SamplerOutput:
         """The workers get the batch and run theirs alongside rank 0's."""
         try:
             self.workers.send(batch)
-            return super().run(batch, seqs)
+            return super().run(batch, scheduled)
         except BaseException as error:
             self.stop_workers_after(error)
             raise
@@ -176,7 +177,7 @@ def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: o
         while (arrays := pipe.recv()) is not None:
             batch = Batch(**{name: torch.from_numpy(value).to(runner.device) if isinstance(value, np.ndarray)
                              else value for name, value in arrays.items()})
-            runner.run(batch, [])
+            runner.run(batch, [])  # rank 0 samples
     except EOFError:  # rank 0 is gone
         pass
     except BaseException:

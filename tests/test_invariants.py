@@ -16,6 +16,7 @@ from conftest import hf_greedy
 from nanoserve import LLM, SamplingParams
 from nanoserve.batch import build_batch
 from nanoserve.config import Config
+from nanoserve.sampler import SamplerOutput
 from nanoserve.scheduler import ScheduledSeq, Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus
 
@@ -84,7 +85,7 @@ def next_token(context_kv: list[int]) -> int:
     return context_kv[-1] % VOCAB
 
 
-def run_fake_model(scheduled: list[ScheduledSeq], kv_cache: dict[int, int], block_size: int) -> list[int]:
+def run_fake_model(scheduled: list[ScheduledSeq], kv_cache: dict[int, int], block_size: int) -> SamplerOutput:
     """Write this step's KV by slot_mapping, read each request's context through its block table
     (as attention does) and check it is exactly the request's tokens; sample the fake next token."""
     batch = build_batch(scheduled, block_size, "cpu")
@@ -100,7 +101,7 @@ def run_fake_model(scheduled: list[ScheduledSeq], kv_cache: dict[int, int], bloc
         assert context == kv_of(seq.token_ids[:seq_len]), f"{seq} reads KV that is not its own"
         if seq.num_computed_tokens + num_new == seq.num_tokens:
             sampled.append(next_token(context))
-    return sampled
+    return SamplerOutput(sampled, [None] * len(sampled), [])
 
 
 def expected_output(w: Workload, r: Request) -> tuple[str, list[int]]:
