@@ -2,9 +2,10 @@
 
 The model sees one step's `Batch`: every scheduled request's new tokens laid end to end, so there
 is no batch dimension anywhere, only N tokens. Each layer projects them to q, k, v, rotates q and k
-by their own `positions` (RoPE), and hands them to `Attention`, which writes k, v into the paged KV
-cache at `slot_mapping` and attends over each request's cached context. The model never knows which
-request a token belongs to; the `Batch` tensors carry all of that.
+by their own `positions` (RoPE), and hands them to the attention backend, which writes k, v into the
+paged KV cache at `slot_mapping` and attends over each request's cached context. The model never
+knows which request a token belongs to, nor which attention backend runs: the backend's per-step
+metadata, prepared once from the `Batch`, carries all of that.
 
 Invariants:
 - `model(batch, kv_cache)` returns float32 logits `[S, vocab]` for the rows `batch.logits_indices`
@@ -30,7 +31,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from nanoserve.attention import Attention, AttentionPlan, plan_for_batch
+from nanoserve.attention import BACKENDS, AttentionBackend, AttentionMetadata
 from nanoserve.batch import Batch
 from nanoserve.distributed import Shard, all_reduce, embed, gather_on_rank0
 
@@ -116,29 +117,30 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Fused qkv projection, RoPE, paged attention (nanoserve.attention), output projection.
+    """Fused qkv projection, RoPE, paged attention (attention.py), output projection.
     Split over `shard.size` ranks (parallel.py), each has its 1/size of the heads."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, attention_backend: str, shard: Shard):
+    def __init__(self, config: PretrainedConfig, head_dim: int, attention: AttentionBackend, shard: Shard):
         super().__init__()
         self.shard = shard
         self.num_heads = config.num_attention_heads // shard.size
         self.num_kv_heads = config.num_key_value_heads // shard.size
+        assert self.num_heads % self.num_kv_heads == 0, "query heads must split evenly over kv heads"
         self.head_dim = head_dim
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)  # this rank's heads in
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, attention_backend)
+        self.attention = attention  # the model's one backend, shared by every layer
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, batch: Batch, plan: AttentionPlan | None) -> torch.Tensor:
+                v_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [N, q_size + 2 * kv_size]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads side by side get the same rotation: one pass over both, not two
         qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)  # [N, H + Hkv, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [N, H, D], [N, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
-        out = self.attn(q, k, v, k_cache, v_cache, batch, plan)  # [N, H, D]
+        out = self.attention.forward(q, k, v, k_cache, v_cache, metadata)  # [N, H, D]
         out = self.o_proj(out.reshape(-1, self.q_size))  # [N, H * D] -> [N, hidden]
         return all_reduce(out, self.shard)  # the sum over every rank's heads
 
@@ -159,16 +161,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int, attention_backend: str, shard: Shard):
+    def __init__(self, config: PretrainedConfig, head_dim: int, attention: AttentionBackend, shard: Shard):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, head_dim, attention_backend, shard)
+        self.self_attn = LlamaAttention(config, head_dim, attention, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, shard)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, batch: Batch, plan: AttentionPlan | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch, plan)
+                v_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -179,22 +181,21 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.shard = shard
         self.embed_tokens = nn.Embedding(config.vocab_size // shard.size, config.hidden_size)  # a vocab range
+        self.attention = BACKENDS[attention_backend](scale=head_dim ** -0.5)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, head_dim, attention_backend, shard) for _ in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, head_dim, self.attention, shard) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, head_dim)
-        self.attention_backend = attention_backend
 
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Final hidden states `[S, hidden]` of the rows `batch.logits_indices`."""
         x = embed(batch.input_ids, self.embed_tokens.weight, self.shard)  # [N, hidden]
         cos, sin = self.rotary(batch.positions, x.dtype)  # [N, 1, D] each, shared by every layer
-        # The torch backend's attention plan (which requests attend together, their blocks and
-        # masks) is the same for every layer too; flash-attn needs none.
-        block_size = kv_cache.shape[3]
-        plan = plan_for_batch(batch, block_size, x.dtype) if self.attention_backend == "torch" else None
+        # What attention needs from the batch is the same in every layer too: prepared once per step
+        # (for the torch backend, which requests attend together, their blocks and masks).
+        metadata = self.attention.prepare(batch, block_size=kv_cache.shape[3], dtype=x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], batch, plan)
+            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], metadata)
         # Only sampling rows need the final norm (and lm_head after it): all rows' k and v are
         # already in the cache, which is all later steps need from the others.
         return self.norm(x[batch.logits_indices])  # [S, hidden]
