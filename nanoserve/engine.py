@@ -22,7 +22,7 @@ from nanoserve.detokenizer import Detokenizer
 from nanoserve.device import resolve_device
 from nanoserve.distributed import check_tensor_parallel
 from nanoserve.model_runner import ModelRunner
-from nanoserve.models.llama import read_config
+from nanoserve.models.loader import read_config
 from nanoserve.outputs import RequestOutput, StepResult, request_delta, request_output
 from nanoserve.parallel import TensorParallelRunner
 from nanoserve.sampler import InvalidRequest, SamplingParams

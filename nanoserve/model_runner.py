@@ -14,7 +14,7 @@ from nanoserve.batch import Batch, prompt_logprob_positions, samples_now
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config, cdiv
 from nanoserve.device import free_memory, resolve_dtype
 from nanoserve.distributed import Shard, broadcast_from_rank0
-from nanoserve.models.llama import load_model
+from nanoserve.models.loader import load_model
 from nanoserve.sampler import Logprob, SamplerOutput, sample, top_logprobs
 from nanoserve.sequence import Sequence
 

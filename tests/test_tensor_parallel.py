@@ -17,11 +17,10 @@ import torch.distributed as dist
 import conftest
 from conftest import greedy
 from nanoserve import LLM
-from nanoserve.models.llama import load_model
+from nanoserve.models.loader import load_model, read_config
 from nanoserve.config import Config
 from nanoserve.distributed import Shard, check_tensor_parallel
 from nanoserve.parallel import Workers
-from nanoserve.models.llama import read_config
 from test_engine import MAX_TOKENS, PROMPTS
 
 # Chunked prefill (8 tokens a step), preemption (18 blocks of 4 for 6 requests) and prefix-cache
