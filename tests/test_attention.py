@@ -296,6 +296,24 @@ def walkthrough_decode_batch() -> Batch:
     )
 
 
+def mixed_step_batch() -> Batch:
+    """A step after the walkthrough's step 2: request 0 runs a 3-token chunk after its 6 cached tokens
+    (into new block 6), request 2 decodes one (into new block 7). Queries are not keys here:
+    query_start_loc [0, 3, 4] but cu_seqlens_k [0, 9, 14]."""
+    return Batch(
+        input_ids=torch.tensor([17, 18, 19, 20]),
+        positions=torch.tensor([6, 7, 8, 4]),
+        slot_mapping=torch.tensor([10, 11, 24, 28]),
+        query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
+        seq_lens=torch.tensor([9, 5], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, 9, 14], dtype=torch.int32),
+        block_tables=torch.tensor([[1, 2, 6], [5, 7, 0]], dtype=torch.int32),
+        logits_indices=torch.tensor([2, 3]),
+        max_query_len=3,
+        max_seq_len=9,
+    )
+
+
 @pytest.fixture
 def flash_attn_is_the_reference(monkeypatch):
     """flash-attn cannot run here: the reference, which has its signatures, stands in for the package."""
@@ -304,10 +322,11 @@ def flash_attn_is_the_reference(monkeypatch):
 
 @pytest.mark.parametrize("name", ["torch", "flash"])
 def test_backend_walkthrough(name: str, flash_attn_is_the_reference):
-    """Both backends, prepare once per step then forward, on the walkthrough's two steps: a prefill of
-    three prompts, then a decode (flash: flash_attn_varlen_func, then flash_attn_with_kvcache). Catches
-    k, v stored in the wrong slots or the null block, and for flash any array passed in the wrong place
-    (query_start_loc for cu_seqlens_k, seq_lens off by the new token, a wrong block table or scale)."""
+    """Both backends, prepare once per step then forward, on the walkthrough's two steps (a prefill of
+    three prompts, then a decode: flash_attn_varlen_func, then flash_attn_with_kvcache) and a step
+    mixing a prompt chunk after cached tokens with a decode (varlen again). Catches k, v stored in the
+    wrong slots or the null block, and for flash any array passed in the wrong place (query_start_loc
+    for cu_seqlens_k, seq_lens off by the new token, a wrong block table or scale)."""
     torch.manual_seed(4)
     scale = 0.3  # not flash-attn's default 1 / sqrt(D): a backend must pass its own
     backend = BACKENDS[name](scale)
@@ -330,6 +349,16 @@ def test_backend_walkthrough(name: str, flash_attn_is_the_reference):
     for b, (s, e) in enumerate([(0, 5), (5, 12), (12, 15)]):
         keys, values = torch.cat([k[s:e], k2[b:b + 1]]), torch.cat([v[s:e], v2[b:b + 1]])
         assert_close(out2[b:b + 1], reference(q2[b:b + 1], keys, values, scale=scale))
+
+    mixed = mixed_step_batch()
+    q3, k3, v3 = torch.randn(4, H, D), torch.randn(4, HKV, D), torch.randn(4, HKV, D)
+    out3 = backend.forward(q3, k3, v3, k_cache, v_cache, backend.prepare(mixed, 4, torch.float32))
+    keys = torch.cat([k[0:5], k2[0:1], k3[0:3]])  # request 0: its prompt, its decode token, its chunk
+    values = torch.cat([v[0:5], v2[0:1], v3[0:3]])
+    assert_close(out3[0:3], reference(q3[0:3], keys, values, scale=scale))
+    keys, values = torch.cat([k[12:15], k2[2:3], k3[3:4]]), torch.cat([v[12:15], v2[2:3], v3[3:4]])
+    assert_close(out3[3:4], reference(q3[3:4], keys, values, scale=scale))
+    assert k_cache[0].abs().sum() == 0
 
 
 def test_select_backend(monkeypatch):
