@@ -6,11 +6,12 @@ The KV cache of one layer is two tensors `k_cache`, `v_cache` of shape
 request lives in block `block_tables[b][p // block_size]` at offset `p % block_size`, i.e. at the
 flat slot `block_id * block_size + offset`; `slot_mapping` names the slot of each new token.
 
-Block 0 is the null block: it pads the rows of `block_tables`, and no slot of it is ever written
-(the block manager never hands it out). Padding is read: the torch backend copies whole rows of a
-decode group's table and masks the keys past each request's own with -inf. A mask removes a key
-only if what was read there is finite (NaN or inf survive it: -inf + inf is NaN), so block 0
-keeps the zeros the cache starts with, whatever any request writes.
+Block 0 is the null block: the block manager never hands it out, so no `slot_mapping` entry points
+into it, and 0 pads the rows of `block_tables`. Why it must never be written: padding is read. The
+torch backend copies whole rows of a decode group's table, padding included, then masks the keys
+past each request's own with -inf. A mask removes a key only if what was read is finite (-inf + inf
+and 0 * inf are NaN), and every request's padding reads the same block 0: kept at the zeros the
+cache starts with, it is masked away harmlessly; one non-finite write there would reach them all.
 
 Invariants both backends keep:
   * causal masks are aligned bottom-right: with seqlen_q queries and seqlen_k keys, query i sees
@@ -30,7 +31,6 @@ both are checked against.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 import torch.nn.functional as F
@@ -217,8 +217,8 @@ class FlashBackend:
                                 causal=True, block_table=batch.block_tables)
 
 
-AttentionBackend = Union[TorchBackend, FlashBackend]
-AttentionMetadata = Union[AttentionPlan, Batch]  # what each backend's prepare returns
+AttentionBackend = TorchBackend | FlashBackend
+AttentionMetadata = AttentionPlan | Batch  # what each backend's prepare returns
 BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend, "flash": FlashBackend}
 
 
