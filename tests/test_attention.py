@@ -78,6 +78,7 @@ def batch_of(q_lens: list[int], k_lens: list[int], block_tables: torch.Tensor) -
                  slot_mapping=torch.empty(0, dtype=torch.int64), query_start_loc=cumsum0(q_lens),
                  seq_lens=torch.tensor(k_lens, dtype=torch.int32), cu_seqlens_k=cumsum0(k_lens),
                  block_tables=block_tables, logits_indices=cumsum0(q_lens)[1:].long() - 1,
+                 next_token_ids=torch.empty(0, dtype=torch.int64),  # no prompt-logprob rows
                  max_query_len=max(q_lens), max_seq_len=max(k_lens))
 
 
@@ -275,6 +276,7 @@ def walkthrough_prefill_batch() -> Batch:
         cu_seqlens_k=torch.tensor([0, 5, 12, 15], dtype=torch.int32),
         block_tables=torch.tensor([[1, 2], [3, 4], [5, 0]], dtype=torch.int32),
         logits_indices=torch.tensor([4, 11, 14]),
+        next_token_ids=torch.empty(0, dtype=torch.int64),  # no prompt-logprob rows
         max_query_len=7,
         max_seq_len=7,
     )
@@ -291,6 +293,7 @@ def walkthrough_decode_batch() -> Batch:
         cu_seqlens_k=torch.tensor([0, 6, 14, 18], dtype=torch.int32),
         block_tables=torch.tensor([[1, 2], [3, 4], [5, 0]], dtype=torch.int32),
         logits_indices=torch.tensor([0, 1, 2]),
+        next_token_ids=torch.empty(0, dtype=torch.int64),  # no prompt-logprob rows
         max_query_len=1,
         max_seq_len=8,
     )
@@ -309,6 +312,7 @@ def mixed_step_batch() -> Batch:
         cu_seqlens_k=torch.tensor([0, 9, 14], dtype=torch.int32),
         block_tables=torch.tensor([[1, 2, 6], [5, 7, 0]], dtype=torch.int32),
         logits_indices=torch.tensor([2, 3]),
+        next_token_ids=torch.empty(0, dtype=torch.int64),  # no prompt-logprob rows
         max_query_len=3,
         max_seq_len=9,
     )

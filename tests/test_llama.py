@@ -73,6 +73,7 @@ def make_batch(prompts: list[list[int]], cached: list[int] | None = None) -> Bat
         cu_seqlens_k=torch.cat([torch.zeros(1), seq_lens.cumsum(0)]).to(torch.int32),
         block_tables=torch.tensor(block_tables, dtype=torch.int32),
         logits_indices=torch.arange(len(input_ids)),  # every row, to compare all positions
+        next_token_ids=torch.empty(0, dtype=torch.int64),  # no prompt-logprob rows
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
     )
