@@ -1254,9 +1254,14 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as error:
         parser.error(str(error))
     limits = Limits(max_body_bytes=args.max_request_body_bytes, max_num_queued_requests=args.max_num_queued_requests)
-    app = build_app(engine, args.served_model_name or args.model, args.api_key, limits)
+    name = args.served_model_name or args.model
+    server = uvicorn_server(build_app(engine, name, args.api_key, limits), args.host, args.port, args.header_timeout,
+                            log_level="info")
+    host, port = sock.getsockname()[:2]  # uvicorn does not say where a socket it was given listens (--port 0)
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    logging.getLogger("uvicorn.error").info("serving %r at %s", name, url)
     try:
-        uvicorn_server(app, args.host, args.port, args.header_timeout, log_level="info").run(sockets=[sock])
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
     finally:
