@@ -50,6 +50,9 @@ class RequestDelta:
     text: str | None             # its new text; may be "" (held back), None without a tokenizer
     finish_reason: str | None    # None until the request's last delta
     logprobs: dict[int, Logprob] | None = None  # the token's, with SamplingParams.logprobs
+    # With SamplingParams.prompt_logprobs, on the request's first delta (as vLLM streams them): a server echoing
+    # the prompt with its logprobs sends them before the first token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -85,4 +88,6 @@ def request_delta(seq: Sequence) -> RequestDelta:
     """seq's token of this step and the text it settled (see detokenizer.py)."""
     text = None if seq.detokenizer is None else seq.detokenizer.take_delta(seq.is_finished)
     logprobs = seq.logprobs[-1] if seq.params.logprobs is not None else None
-    return RequestDelta(seq.request_id, [seq.token_ids[-1]], text, seq.finish_reason, logprobs)
+    first = seq.num_tokens == seq.num_prompt_tokens + 1
+    prompt_logprobs = seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None
+    return RequestDelta(seq.request_id, [seq.token_ids[-1]], text, seq.finish_reason, logprobs, prompt_logprobs)

@@ -9,7 +9,7 @@ take part in a request:
   --max-num-queued-requests or answers 429 at once, and hands the slow work to
 - the tokenizer thread, which renders the chat template and tokenizes, so that neither the event
   loop (serving every other client) nor the engine thread (stepping every other request) waits on a
-  long input. With the token ids, the handler puts one `Submit` per prompt on
+  long input. With the token ids, the handler puts one `Submit` per choice (n per prompt) on
 - the engine thread's `inbox`, a queue.Queue and the only way in. Between two steps the `EngineLoop`
   takes every message there (`Submit` -> add_request, `Abort` -> abort_request, `Stop`), steps the
   engine, and sends each request's results to its handler's `ReplyQueue` (an asyncio.Queue written
@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import functools
 import hmac
+import itertools
 import json
 import logging
 import os
@@ -35,7 +37,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
@@ -51,7 +53,7 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoserve import Config, LLMEngine, RequestDelta, RequestOutput, SamplingParams
-from nanoserve.sampler import InvalidRequest
+from nanoserve.sampler import MAX_LOGPROBS, InvalidRequest, Logprob
 
 logger = logging.getLogger("nanoserve.serve")
 T = TypeVar("T")
@@ -64,7 +66,8 @@ class Limits:
     max_body_bytes: int = 8 * 2**20                # 413 past this; the body is read no further
     max_stop: int = 32                             # stop strings, and stop_token_ids, per request
     max_stop_chars: int = 1024                     # characters in one stop string
-    max_num_queued_requests: int | None = None     # prompts in flight (tokenizing, waiting, running); more: 429
+    max_num_queued_requests: int | None = None     # completions (prompts x n) in flight; more: 429
+    max_n: int = 128                               # completions of one prompt (n): OpenAI's limit
 
 
 # --- Errors -------------------------------------------------------------------------------------
@@ -332,10 +335,14 @@ class SamplingBody(Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id: accepted, unused
+    n: int | None = None     # completions of each prompt
 
 
 class CompletionBody(SamplingBody):
     prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = None           # the prompt before the completion (its logprobs too, with logprobs)
+    logprobs: int | None = None        # each token's logprob, with the N most likely
+    prompt_logprobs: int | None = None  # vLLM's extra: each prompt token's, in the choice's prompt_logprobs
 
 
 class ContentPart(Strict):
@@ -351,6 +358,8 @@ class Message(Strict):
 class ChatBody(SamplingBody):
     messages: list[Message]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None       # each token's logprob
+    top_logprobs: int | None = None    # and the N most likely (with logprobs true)
 
 
 class TokenizeBody(Strict):
@@ -370,7 +379,8 @@ class DetokenizeBody(Strict):
 
 BODIES = (CompletionBody, ChatBody, Message, ContentPart, StreamOptions, TokenizeBody, DetokenizeBody)
 FIELDS = {name for body in BODIES for name in body.model_fields}
-# Fields this server does not support -> the values that mean "not used", which it accepts.
+# Fields this server does not support -> the values that mean "not used", which it accepts. A body that
+# declares one of them (CompletionBody.echo) supports it.
 UNSUPPORTED = {
     "n": (1, None), "best_of": (1, None), "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False, None),
     "prompt_logprobs": (None,), "suffix": (None, ""), "logit_bias": (None, {}), "min_tokens": (0, None),
@@ -379,7 +389,6 @@ UNSUPPORTED = {
     "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
     "use_beam_search": (False, None), "include_stop_str_in_output": (False, None),
 }
-NOT_YET = ("n", "best_of", "logprobs", "top_logprobs", "echo", "prompt_logprobs")
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
@@ -408,9 +417,10 @@ def parse(model: type[BodyT], body: dict) -> BodyT:
     """The body as `model`; a field it may not use is a 400 naming it, an unknown one is logged."""
     for name, unused in UNSUPPORTED.items():
         value = body.get(name)
-        if name in body and not any(type(value) is type(u) and value == u for u in unused):  # 0 is no False here
-            yet = " yet" if name in NOT_YET else ""
-            raise APIError(f"{name}={shorten(repr(value))} is not supported{yet} by this server", param=name,
+        if name in model.model_fields or name not in body:
+            continue
+        if not any(type(value) is type(u) and value == u for u in unused):  # 0 is no False here
+            raise APIError(f"{name}={shorten(repr(value))} is not supported by this server", param=name,
                            code="unsupported_parameter")
     unknown = sorted(body.keys() - model.model_fields.keys() - UNSUPPORTED.keys())
     if unknown:
@@ -424,9 +434,13 @@ def parse(model: type[BodyT], body: dict) -> BodyT:
         raise APIError(message, param=problems[0][0].split(".")[0] or None) from None
 
 
-def sampling_params(body: SamplingBody, max_tokens: int | None, limits: Limits) -> SamplingParams:
+def sampling_params(body: SamplingBody, api: API, max_tokens: int | None, limits: Limits) -> SamplingParams:
     """The body's SamplingParams, checked by SamplingParams itself (a 400 names the field). max_tokens
     None (chat: up to the end of the context) is settled once the prompt is tokenized (`fit_to_context`)."""
+    n = given(body.n, 1)
+    if not 1 <= n <= limits.max_n:  # SamplingParams takes any n >= 1: this server bounds one request's work
+        raise APIError(f"n must be from 1 to {limits.max_n}, this server's limit; got {n}", param="n")
+    logprobs, prompt_logprobs = api.logprobs(body)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     for name, values in ("stop", stop), ("stop_token_ids", body.stop_token_ids or []):
         if len(values) > limits.max_stop:
@@ -438,13 +452,21 @@ def sampling_params(body: SamplingBody, max_tokens: int | None, limits: Limits) 
         return SamplingParams(temperature=given(body.temperature, 1.0), top_p=given(body.top_p, 1.0),
                               top_k=given(body.top_k, 0), max_tokens=given(max_tokens, 1), stop=stop or None,
                               stop_token_ids=body.stop_token_ids or None, seed=body.seed,
-                              ignore_eos=bool(body.ignore_eos))
+                              ignore_eos=bool(body.ignore_eos), n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except InvalidRequest as error:
         raise APIError(str(error), param=error.param) from None
 
 
 def given(value: T | None, default: T) -> T:
     return default if value is None else value
+
+
+def check_logprobs(field: str, value: int | None) -> None:
+    """A number of most likely tokens (logprobs, top_logprobs, prompt_logprobs): None, or 0 to MAX_LOGPROBS."""
+    if value is not None and value > MAX_LOGPROBS:  # vLLM's words
+        raise APIError(f"Requested {field} of {value}, which is greater than max allowed: {MAX_LOGPROBS}", param=field)
+    if value is not None and value < 0:
+        raise APIError(f"{field} must be from 0 to {MAX_LOGPROBS}; got {value}", param=field)
 
 
 def prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
@@ -468,67 +490,228 @@ def template_messages(messages: list[Message]) -> list[dict[str, str]]:
 
 
 # --- Responses: one formatter per API ------------------------------------------------------------
-# A request has one choice per prompt, `index` in prompt order; a choice's logprobs go where the
-# None is (not supported yet).
+# An HTTP request's choices are n completions of each prompt: choice p * n + i is completion i of
+# prompt p (as vLLM). Once the prompts are tokenized, the handler makes its API's formatter, which
+# turns each result (a RequestOutput for a whole response, a RequestDelta for a stream) into what
+# its choice shows (`Shown`), then into the API's JSON.
+
+@dataclass
+class Prompt:
+    """A prompt as the engine takes it, and as echo shows it: a string as given, token ids decoded (as
+    vLLM); None without a tokenizer."""
+    token_ids: list[int]
+    text: str | None = None
+
+
+Position = dict[int, Logprob] | None  # a token's logprobs: the token's own first, then the most likely
+                                      # (None: a prompt's first token, which nothing predicts)
+
+
+@dataclass
+class Shown:
+    """What one choice shows of a result: its text, its tokens and their logprobs (None: not asked for)."""
+    text: str | None
+    token_ids: list[int]
+    logprobs: list[Position] | None
+    finish_reason: str | None
+    prompt_logprobs: list[Position] | None = None  # vLLM's extra field, in whole responses
+
+    def named_tokens(self) -> set[int]:
+        """The tokens whose strings the logprobs show."""
+        positions = [p for p in (self.logprobs or []) + (self.prompt_logprobs or []) if p is not None]
+        return set(self.token_ids if self.logprobs is not None else []).union(*positions)
+
+
+class TokenStrings:
+    """Each token's text alone, as logprobs name tokens: tokenizer.decode([id]), as vLLM ("<s>", " sky",
+    "\ufffd" for one byte of a longer character); "token_id:N" without a tokenizer (vLLM's
+    return_tokens_as_token_ids). A token is decoded once, in the tokenizer thread (`learn`), then
+    looked up on the event loop: at most the vocabulary is kept."""
+
+    def __init__(self, tokenizer: object | None, tokenizer_thread: ThreadPoolExecutor) -> None:
+        self.tokenizer, self.tokenizer_thread = tokenizer, tokenizer_thread
+        self.known: dict[int, str] = {}  # written and read on the event loop only
+
+    async def learn(self, token_ids: set[int]) -> None:
+        unknown = [t for t in token_ids if t not in self.known] if self.tokenizer is not None else []
+        if unknown:
+            def decode() -> list[str]:
+                return [self.tokenizer.decode([t]) for t in unknown]
+            strings = await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, decode)
+            self.known.update(zip(unknown, strings))
+
+    def __getitem__(self, token_id: int) -> str:
+        return self.known[token_id] if self.tokenizer is not None else f"token_id:{token_id}"
+
+
+def clamp(logprob: float) -> float:
+    """A logprob as JSON can hold it: -inf (a token ruled out) as OpenAI and vLLM write it."""
+    return max(logprob, -9999.0)
+
 
 def text_or_token_ids(text: str | None, token_ids: list[int]) -> dict:
     """A model without a tokenizer answers token ids, with an empty text."""
     return {"text": text} if text is not None else {"text": "", "token_ids": token_ids}
 
 
-class CompletionAPI:
+class Formatter:
+    """What both APIs' formatters hold: the request's prompts, its n, and the token strings."""
+    echo_only = False  # completions' echo with max_tokens 0: the prompt alone
+
+    def __init__(self, prompts: list[Prompt], n: int, strings: TokenStrings) -> None:
+        self.prompts, self.n, self.strings = prompts, n, strings
+
+    def usage(self, outputs: list[RequestOutput]) -> dict:
+        """Each prompt's tokens once, whatever n (as vLLM), and the completions' tokens shown."""
+        num_prompt = sum(len(p.token_ids) for p in self.prompts)
+        num_completion = 0 if self.echo_only else sum(len(o.token_ids) for o in outputs)
+        total = num_prompt + num_completion
+        return dict(prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=total)
+
+    def first_chunk_choice(self, index: int) -> dict | None:
+        return None
+
+
+class CompletionAPI(Formatter):
     """/v1/completions' response and chunk choices."""
     id_prefix, object, chunk_object, prompt_field = "cmpl", "text_completion", "text_completion", "prompt"
 
+    def __init__(self, body: CompletionBody, prompts: list[Prompt], n: int, strings: TokenStrings) -> None:
+        super().__init__(prompts, n, strings)
+        self.echo, self.echo_only = bool(body.echo), bool(body.echo) and body.max_tokens == 0
+        self.num_top, self.show_prompt_logprobs = body.logprobs, body.prompt_logprobs is not None
+        self.echoed: set[int] = set()                          # choices whose prompt was shown
+        self.num_chars: dict[int, int] = collections.Counter()  # a streamed choice's text so far
+
     @staticmethod
     def max_tokens(body: CompletionBody) -> int:
-        return given(body.max_tokens, 16)  # OpenAI's and vLLM's default
+        max_tokens = given(body.max_tokens, 16)  # OpenAI's and vLLM's default
+        return 1 if max_tokens == 0 and body.echo else max_tokens  # the prompt alone: one token made, unshown (vLLM)
 
     @staticmethod
-    def choice(index: int, output: RequestOutput) -> dict:
-        return dict(index=index, **text_or_token_ids(output.text, output.token_ids), logprobs=None,
-                    finish_reason=output.finish_reason)
+    def logprobs(body: CompletionBody) -> tuple[int | None, int | None]:
+        """The engine's logprobs and prompt_logprobs: echo with logprobs needs the prompt's (as vLLM)."""
+        check_logprobs("logprobs", body.logprobs)
+        check_logprobs("prompt_logprobs", body.prompt_logprobs)
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError("prompt_logprobs cannot be streamed (as in vLLM); echo with logprobs can",
+                           param="prompt_logprobs")
+        return body.logprobs, given(body.prompt_logprobs, body.logprobs if body.echo else None)
 
-    @staticmethod
-    def first_chunk_choice(index: int) -> dict | None:
-        return None
+    def show(self, index: int, result: RequestOutput | RequestDelta) -> Shown:
+        """The completion (a whole output, or a streamed delta); with echo, the prompt first (in a
+        choice's first chunk), or alone with max_tokens 0."""
+        if isinstance(result, RequestOutput):
+            completion = result.outputs[0]
+            text, token_ids, logprobs, finish_reason = (completion.text, completion.token_ids, completion.logprobs,
+                                                        completion.finish_reason)
+        else:
+            text, token_ids, finish_reason = result.text, result.token_ids, result.finish_reason
+            logprobs = None if result.logprobs is None else [result.logprobs]
+        if self.echo_only:  # the one token made (it ends the request) is not shown
+            text = None if text is None else ""
+            token_ids, logprobs, finish_reason = [], None if logprobs is None else [], "length"
+        if self.echo and index not in self.echoed:
+            self.echoed.add(index)
+            prompt = self.prompts[index // self.n]
+            text = None if text is None else prompt.text + text
+            token_ids = prompt.token_ids + token_ids
+            logprobs = None if logprobs is None else result.prompt_logprobs + logprobs
+        prompt_logprobs = result.prompt_logprobs if self.show_prompt_logprobs else None
+        return Shown(text, token_ids, logprobs, finish_reason, prompt_logprobs)
 
-    @staticmethod
-    def chunk_choice(index: int, delta: RequestDelta) -> dict:
-        return dict(index=index, **text_or_token_ids(delta.text, delta.token_ids), logprobs=None,
-                    finish_reason=delta.finish_reason)
+    def choice(self, index: int, shown: Shown) -> dict:
+        choice = dict(index=index, **text_or_token_ids(shown.text, shown.token_ids),
+                      logprobs=self.logprobs_object(shown, 0), finish_reason=shown.finish_reason)
+        if shown.prompt_logprobs is not None:  # vLLM's shape: {token id: {logprob, rank, decoded_token}}
+            choice["prompt_logprobs"] = [None if p is None else {str(t): self.vllm_entry(t, lp) for t, lp in p.items()}
+                                         for p in shown.prompt_logprobs]
+        return choice
+
+    def vllm_entry(self, token_id: int, logprob: Logprob) -> dict:
+        return dict(logprob=clamp(logprob.logprob), rank=logprob.rank, decoded_token=self.strings[token_id])
+
+    def chunk_choice(self, index: int, shown: Shown) -> dict:
+        logprobs = self.logprobs_object(shown, self.num_chars[index])
+        self.num_chars[index] += len(shown.text or "")
+        return dict(index=index, **text_or_token_ids(shown.text, shown.token_ids), logprobs=logprobs,
+                    finish_reason=shown.finish_reason)
+
+    def logprobs_object(self, shown: Shown, offset: int) -> dict | None:
+        """OpenAI's completions logprobs, as vLLM writes them: per token its string, its logprob and
+        top_logprobs {string: logprob} (the token's own, then the num_top most likely: num_top or
+        num_top + 1 entries; tokens whose strings coincide share an entry), None for a prompt's first
+        token; text_offset: where its string starts after the strings before it, from `offset` (the
+        text a stream sent before)."""
+        if shown.logprobs is None:
+            return None
+        tokens = [self.strings[t] for t in shown.token_ids]
+        positions = list(zip(shown.token_ids, shown.logprobs))
+        token_logprobs = [None if p is None else clamp(p[t].logprob) for t, p in positions]
+        top_logprobs = [None if p is None else self.top(p) for _, p in positions]
+        text_offset = list(itertools.accumulate(map(len, tokens), initial=offset))[:-1]
+        return dict(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=text_offset)
+
+    def top(self, position: dict[int, Logprob]) -> dict[str, float]:
+        items = list(position.items())[:self.num_top + 1]  # a prompt's may hold more (prompt_logprobs > logprobs)
+        return {self.strings[t]: clamp(logprob.logprob) for t, logprob in items}
 
 
-class ChatAPI:
+class ChatAPI(Formatter):
     """/v1/chat/completions' response and chunk choices."""
     id_prefix, object, chunk_object, prompt_field = "chatcmpl", "chat.completion", "chat.completion.chunk", "messages"
+
+    def __init__(self, body: ChatBody, prompts: list[Prompt], n: int, strings: TokenStrings) -> None:
+        super().__init__(prompts, n, strings)
+        self.num_top = given(body.top_logprobs, 0)
 
     @staticmethod
     def max_tokens(body: ChatBody) -> int | None:
         return given(body.max_completion_tokens, body.max_tokens)  # None: up to the end of the context
 
     @staticmethod
-    def choice(index: int, output: RequestOutput) -> dict:
-        return dict(index=index, message=dict(role="assistant", content=output.text), logprobs=None,
-                    finish_reason=output.finish_reason)
+    def logprobs(body: ChatBody) -> tuple[int | None, None]:
+        """The engine's logprobs (top_logprobs, with logprobs true), and no prompt logprobs."""
+        check_logprobs("top_logprobs", body.top_logprobs)
+        if body.top_logprobs and not body.logprobs:  # vLLM's words
+            raise APIError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+        return (given(body.top_logprobs, 0) if body.logprobs else None), None
 
-    @staticmethod
-    def first_chunk_choice(index: int) -> dict | None:
+    def show(self, index: int, result: RequestOutput | RequestDelta) -> Shown:
+        if isinstance(result, RequestOutput):
+            c = result.outputs[0]
+            return Shown(c.text, c.token_ids, c.logprobs, c.finish_reason)
+        logprobs = None if result.logprobs is None else [result.logprobs]
+        return Shown(result.text, result.token_ids, logprobs, result.finish_reason)
+
+    def choice(self, index: int, shown: Shown) -> dict:
+        return dict(index=index, message=dict(role="assistant", content=shown.text),
+                    logprobs=self.logprobs_object(shown), finish_reason=shown.finish_reason)
+
+    def first_chunk_choice(self, index: int) -> dict | None:
         return dict(index=index, delta=dict(role="assistant", content=""), logprobs=None, finish_reason=None)
 
-    @staticmethod
-    def chunk_choice(index: int, delta: RequestDelta) -> dict:
-        return dict(index=index, delta=dict(content=delta.text), logprobs=None, finish_reason=delta.finish_reason)
+    def chunk_choice(self, index: int, shown: Shown) -> dict:
+        return dict(index=index, delta=dict(content=shown.text), logprobs=self.logprobs_object(shown),
+                    finish_reason=shown.finish_reason)
+
+    def logprobs_object(self, shown: Shown) -> dict | None:
+        """OpenAI's chat logprobs: per token {token, logprob, bytes, top_logprobs: the num_top most likely
+        tokens by rank, each {token, logprob, bytes}}."""
+        if shown.logprobs is None:
+            return None
+
+        def entry(token_id: int, logprob: Logprob) -> dict:
+            token = self.strings[token_id]
+            return dict(token=token, logprob=clamp(logprob.logprob), bytes=list(token.encode(errors="replace")))
+
+        def with_top(token_id: int, position: dict[int, Logprob]) -> dict:
+            top = sorted(position.items(), key=lambda item: item[1].rank)[:self.num_top]  # the token's own may be one
+            return entry(token_id, position[token_id]) | {"top_logprobs": [entry(*item) for item in top]}
+        return {"content": [with_top(t, p) for t, p in zip(shown.token_ids, shown.logprobs)]}
 
 
 API = type[CompletionAPI] | type[ChatAPI]
-
-
-def usage(outputs: Iterable[RequestOutput]) -> dict:
-    outputs = list(outputs)
-    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    num_completion = sum(len(o.token_ids) for o in outputs)
-    return dict(prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=num_prompt + num_completion)
 
 
 def sse(data: dict) -> str:
@@ -536,13 +719,13 @@ def sse(data: dict) -> str:
 
 
 class Generation:
-    """The engine requests of one HTTP request (one per prompt), submitted and read back together.
-    It holds its prompts' slots of --max-num-queued-requests from creation to `close()`, which its
-    handler calls however the request ends; close() aborts the engine requests not finished."""
+    """The engine requests of one HTTP request (n per prompt, one per choice), submitted and read back
+    together. It holds its choices' slots of --max-num-queued-requests from creation to `close()`,
+    which its handler calls however the request ends; close() aborts the engine requests not finished."""
 
-    def __init__(self, serving: Serving, num_prompts: int) -> None:
-        serving.admit(num_prompts)
-        self.serving, self.num_prompts, self.closed = serving, num_prompts, False
+    def __init__(self, serving: Serving, num_choices: int) -> None:
+        serving.admit(num_choices)
+        self.serving, self.num_choices, self.closed = serving, num_choices, False
         self.id = uuid.uuid4().hex
         self.replies = ReplyQueue()
         self.index: dict[str, int] = {}       # engine request id -> its choice's index
@@ -550,14 +733,16 @@ class Generation:
         self.early: list[Reply] = []          # results that came in while others awaited Accepted
 
     async def submit(self, prompts: list[tuple[list[int], SamplingParams]], arrival_time: float) -> None:
-        """Hand every prompt to the engine loop; raises the first refusal (add_request's 400)."""
-        for index, (token_ids, params) in enumerate(prompts):
+        """Hand every prompt's n requests to the engine loop, sample i seeded seed + i (as vLLM; choice
+        p * n + i); raises the first refusal (add_request's 400)."""
+        requests = [(token_ids, params.for_sample(i)) for token_ids, params in prompts for i in range(params.n)]
+        for index, (token_ids, params) in enumerate(requests):
             request_id = f"{self.id}-{index}"
             self.index[request_id] = index
             self.unfinished.add(request_id)
             self.serving.engine_loop.inbox.put(Submit(request_id, token_ids, params, arrival_time, self.replies))
         num_accepted = 0
-        while num_accepted < len(prompts):
+        while num_accepted < len(requests):
             reply = await self.replies.get()
             if isinstance(reply, Failed):
                 raise reply.error
@@ -581,30 +766,36 @@ class Generation:
             self.closed = True
             for request_id in self.unfinished:
                 self.serving.engine_loop.inbox.put(Abort(request_id))
-            self.serving.num_in_flight -= self.num_prompts
+            self.serving.num_in_flight -= self.num_choices
 
 
-async def whole_response(generation: Generation, api: API, head: dict) -> JSONResponse:
+async def whole_response(generation: Generation, api: CompletionAPI | ChatAPI, head: dict) -> JSONResponse:
     outputs = {index: result async for index, result in generation.results() if isinstance(result, RequestOutput)}
-    choices = [api.choice(index, outputs[index]) for index in sorted(outputs)]
-    return JSONResponse({**head, "choices": choices, "usage": usage(outputs.values())})
+    shown = {index: api.show(index, outputs[index]) for index in sorted(outputs)}
+    await api.strings.learn(set().union(*(s.named_tokens() for s in shown.values())))
+    choices = [api.choice(index, s) for index, s in shown.items()]
+    return JSONResponse({**head, "choices": choices, "usage": api.usage(list(outputs.values()))})
 
 
-async def event_stream(generation: Generation, api: API, head: dict, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per delta with text, the usage if asked, then [DONE]. A failure
-    mid-stream is an error event (OpenAI's error body) before [DONE]: the 200 was sent long ago."""
+async def event_stream(generation: Generation, api: CompletionAPI | ChatAPI, head: dict,
+                       include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per delta with text or logprobs, the usage if asked, then [DONE]. A
+    failure mid-stream is an error event (OpenAI's error body) before [DONE]: the 200 was sent long ago."""
     try:
-        for index in range(generation.num_prompts):
+        for index in range(generation.num_choices):
             if (choice := api.first_chunk_choice(index)) is not None:
                 yield sse({**head, "choices": [choice]})
         outputs = []
         async for index, result in generation.results():
             if isinstance(result, RequestOutput):
                 outputs.append(result)
-            elif result.text or result.finish_reason or result.text is None:  # "": text held back
-                yield sse({**head, "choices": [api.chunk_choice(index, result)]})
+                continue
+            shown = api.show(index, result)
+            if shown.text or shown.finish_reason or shown.text is None or shown.logprobs is not None:  # "": held back
+                await api.strings.learn(shown.named_tokens())
+                yield sse({**head, "choices": [api.chunk_choice(index, shown)]})
         if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(outputs)})
+            yield sse({**head, "choices": [], "usage": api.usage(outputs)})
     except APIError as error:
         yield sse(error.body)
     except Exception as error:  # a bug here: still an error event, then [DONE]
@@ -620,7 +811,7 @@ class EventStream(StreamingResponse):
     started, when its own `finally` would never run), __call__'s `finally` closes the generation,
     which aborts its engine requests."""
 
-    def __init__(self, generation: Generation, api: API, head: dict, include_usage: bool) -> None:
+    def __init__(self, generation: Generation, api: CompletionAPI | ChatAPI, head: dict, include_usage: bool) -> None:
         super().__init__(event_stream(generation, api, head, include_usage), media_type="text/event-stream")
         self.generation = generation
 
@@ -664,6 +855,8 @@ class Serving:
         self.metrics = Metrics(model_name)
         self.engine_loop = EngineLoop(engine, self.metrics)
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer")
+        self.token_strings = TokenStrings(self.tokenizer, self.tokenizer_thread)
+        self.vocab_size = engine.vocab_size
         self.num_in_flight = 0  # prompts of accepted HTTP requests not yet answered (event loop only)
         # A token covers at most this many bytes of text: a text longer than max_model_len of them
         # cannot fit, and is refused untokenized. (A token's vocabulary entry has at least the bytes of
@@ -682,19 +875,20 @@ class Serving:
             raise APIError(f"model {shorten(repr(name))} does not exist; this server serves {self.model_name!r}",
                            param="model", status=404, code="model_not_found")
 
-    def admit(self, num_prompts: int) -> None:
-        """Take num_prompts slots of max_num_queued_requests or refuse at once (429), before any
-        tokenizing: a burst costs no more than reading its bodies."""
+    def admit(self, num_choices: int) -> None:
+        """Take a slot of max_num_queued_requests per choice (prompts x n) or refuse at once (429),
+        before any tokenizing: a burst costs no more than reading its bodies."""
         if self.engine_loop.error is not None:
             raise APIError("the engine loop has died; the server cannot serve", status=503)
         limit = self.limits.max_num_queued_requests
-        if limit is not None and num_prompts > limit:
-            raise APIError(f"{num_prompts} prompts, more than this server takes at once ({limit})", param="prompt")
-        if limit is not None and self.num_in_flight + num_prompts > limit:
+        if limit is not None and num_choices > limit:
+            raise APIError(f"{num_choices} completions (prompts x n), more than this server takes at once ({limit})",
+                           param="prompt")
+        if limit is not None and self.num_in_flight + num_choices > limit:
             self.metrics.rejected.inc()
-            raise APIError(f"the server is busy: {self.num_in_flight} prompts in flight, at most {limit} "
+            raise APIError(f"the server is busy: {self.num_in_flight} completions in flight, at most {limit} "
                            f"(--max-num-queued-requests); retry later", status=429, code="too_many_requests")
-        self.num_in_flight += num_prompts
+        self.num_in_flight += num_choices
 
     async def in_tokenizer_thread(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, work)
@@ -712,6 +906,13 @@ class Serving:
                            f"tokens can hold ({self.max_prompt_bytes} bytes)", param=field,
                            code="context_length_exceeded")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int]) -> str | None:
+        """In the tokenizer thread: a token-id prompt as echo shows it (special tokens and all, as vLLM);
+        None without a tokenizer, "" for ids outside the vocabulary (add_request refuses them)."""
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(token_ids) if all(0 <= t < self.vocab_size for t in token_ids) else ""
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """In the tokenizer thread: the conversation as the model's chat template writes it."""
@@ -741,25 +942,26 @@ class Serving:
         return replace(params, max_tokens=given(max_tokens, room))
 
     async def generate(self, request: Request, api: API, body: SamplingBody, num_prompts: int,
-                       prepare: Callable[[], list[list[int]]], arrival_time: float) -> Response:
+                       prepare: Callable[[], list[Prompt]], arrival_time: float) -> Response:
         """Serve a completions or chat request whose prompts `prepare` tokenizes (in the tokenizer thread)."""
         self.check_model(body.model)
         max_tokens = api.max_tokens(body)
-        params = sampling_params(body, max_tokens, self.limits)
+        params = sampling_params(body, api, max_tokens, self.limits)
         if body.stream_options is not None and not body.stream:
             raise APIError("stream_options is only for stream=true", param="stream_options")
-        generation = Generation(self, num_prompts)  # takes its slots, or 429
+        generation = Generation(self, num_prompts * params.n)  # takes its slots, or 429
 
         async def start() -> Response:
             prompts = await self.in_tokenizer_thread(prepare)
-            await generation.submit([(p, self.fit_to_context(params, max_tokens, len(p), api.prompt_field))
-                                     for p in prompts], arrival_time)
+            fitted = [self.fit_to_context(params, max_tokens, len(p.token_ids), api.prompt_field) for p in prompts]
+            await generation.submit([(p.token_ids, f) for p, f in zip(prompts, fitted)], arrival_time)
+            formatter = api(body, prompts, params.n, self.token_strings)
             head = dict(id=f"{api.id_prefix}-{generation.id}", object=api.chunk_object if body.stream else api.object,
                         created=int(time.time()), model=self.model_name)
             if body.stream:
                 include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
-                return EventStream(generation, api, head, include_usage)
-            return await whole_response(generation, api, head)
+                return EventStream(generation, formatter, head, include_usage)
+            return await whole_response(generation, formatter, head)
         try:
             response = await until_disconnected(request, start())
         except BaseException:
@@ -778,8 +980,9 @@ async def create_completion(request: Request) -> Response:
     body = parse(CompletionBody, await read_json(request, serving.limits.max_body_bytes))
     prompts = prompt_list(body.prompt)
 
-    def prepare() -> list[list[int]]:  # token ids are checked by add_request
-        return [p if isinstance(p, list) else serving.tokenize(p, "prompt") for p in prompts]
+    def prepare() -> list[Prompt]:  # token ids are checked by add_request
+        return [Prompt(p, serving.decode(p) if body.echo else None) if isinstance(p, list)
+                else Prompt(serving.tokenize(p, "prompt"), p) for p in prompts]
     return await serving.generate(request, CompletionAPI, body, len(prompts), prepare, arrival_time)
 
 
@@ -790,8 +993,8 @@ async def create_chat_completion(request: Request) -> Response:
     serving.check_chat_template()
     messages = template_messages(body.messages)
 
-    def prepare() -> list[list[int]]:  # as LLM.chat: the template wrote the special tokens (<s>)
-        return [serving.tokenize(serving.render_chat(messages), "messages", add_special_tokens=False)]
+    def prepare() -> list[Prompt]:  # as LLM.chat: the template wrote the special tokens (<s>)
+        return [Prompt(serving.tokenize(serving.render_chat(messages), "messages", add_special_tokens=False))]
     return await serving.generate(request, ChatAPI, body, 1, prepare, arrival_time)
 
 
@@ -1051,9 +1254,14 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as error:
         parser.error(str(error))
     limits = Limits(max_body_bytes=args.max_request_body_bytes, max_num_queued_requests=args.max_num_queued_requests)
-    app = build_app(engine, args.served_model_name or args.model, args.api_key, limits)
+    name = args.served_model_name or args.model
+    server = uvicorn_server(build_app(engine, name, args.api_key, limits), args.host, args.port, args.header_timeout,
+                            log_level="info")
+    host, port = sock.getsockname()[:2]  # uvicorn does not say where a socket it was given listens (--port 0)
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    logging.getLogger("uvicorn.error").info("serving %r at %s", name, url)
     try:
-        uvicorn_server(app, args.host, args.port, args.header_timeout, log_level="info").run(sockets=[sock])
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
     finally:

@@ -66,9 +66,10 @@ def test_logprobs_zero_is_the_token_alone_and_greedy_tokens_rank_first(tiny_mode
 
 
 def test_streamed_deltas_carry_each_tokens_logprobs(tiny_models):
-    """Catches a delta's logprobs taken from another token (the first, or the previous step's)."""
-    engine = LLM(tiny_models["gqa"], block_size=4).engine
-    engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=5, logprobs=2), "a")
+    """Catches a delta's logprobs taken from another token (the first, or the previous step's); the prompt
+    logprobs missing from the first delta, or sent again with later ones."""
+    engine = LLM(tiny_models["gqa"], block_size=4, max_num_batched_tokens=4).engine  # a prefill in 3 chunks
+    engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=5, logprobs=2, prompt_logprobs=1), "a")
     deltas, outputs = [], []
     while engine.has_unfinished_requests():
         result = engine.step()
@@ -76,6 +77,8 @@ def test_streamed_deltas_carry_each_tokens_logprobs(tiny_models):
         outputs += result.outputs
     assert [d.logprobs for d in deltas] == outputs[0].outputs[0].logprobs
     assert [list(d.logprobs)[0] for d in deltas] == outputs[0].token_ids
+    assert deltas[0].prompt_logprobs == outputs[0].prompt_logprobs and len(outputs[0].prompt_logprobs) == 9
+    assert [d.prompt_logprobs for d in deltas[1:]] == [None] * 4
 
 
 def test_n_completions_are_the_seeded_requests_seed_plus_index(tiny_models):

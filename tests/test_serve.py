@@ -272,16 +272,32 @@ BAD = [  # (path, body, status, words the message must name, param)
     ("/v1/completions", dict(model=NAME, prompt="Hi", stop=["x"] * 33), 400, "at most 32", "stop"),
     ("/v1/completions", dict(model=NAME, prompt="Hi", stop="x" * 1025), 400, "1024 characters", "stop"),
     ("/v1/completions", dict(model=NAME, prompt="Hi", stop=[""]), 400, "stop", "stop"),
-    ("/v1/completions", dict(model=NAME, prompt="Hi", n=2), 400, "not supported yet", "n"),
-    ("/v1/completions", dict(model=NAME, prompt="Hi", logprobs=0), 400, "not supported yet", "logprobs"),
-    ("/v1/completions", dict(model=NAME, prompt="Hi", echo=True), 400, "not supported yet", "echo"),
-    ("/v1/completions", dict(model=NAME, prompt="Hi", best_of=2), 400, "not supported yet", "best_of"),
+    ("/v1/completions", dict(model=NAME, prompt="Hi", n=0), 400, "n must be from 1 to 128", "n"),
+    ("/v1/completions", dict(model=NAME, prompt="Hi", n=129), 400, "n must be from 1 to 128", "n"),
+    ("/v1/completions", dict(model=NAME, prompt="Hi", n=2.0), 400, "n", "n"),
+    ("/v1/completions", dict(model=NAME, prompt="Hi", logprobs=21), 400,
+     "Requested logprobs of 21, which is greater than max allowed: 20", "logprobs"),
+    ("/v1/completions", dict(model=NAME, prompt="Hi", logprobs=-1), 400, "logprobs must be from 0 to 20", "logprobs"),
+    ("/v1/completions", dict(model=NAME, prompt="Hi", logprobs=True), 400, "logprobs", "logprobs"),
+    ("/v1/completions", dict(model=NAME, prompt="Hi", prompt_logprobs=21), 400,
+     "Requested prompt_logprobs of 21, which is greater than max allowed: 20", "prompt_logprobs"),
+    ("/v1/completions", dict(model=NAME, prompt="Hi", prompt_logprobs=1, stream=True), 400, "streamed",
+     "prompt_logprobs"),
+    ("/v1/completions", dict(model=NAME, prompt="Hi", top_logprobs=2), 400, "not supported", "top_logprobs"),
+    ("/v1/completions", dict(model=NAME, prompt="Hi", best_of=2), 400, "not supported", "best_of"),
     ("/v1/completions", dict(model=NAME, prompt="Hi", suffix="x"), 400, "not supported", "suffix"),
     ("/v1/completions", dict(model=NAME, prompt="Hi", frequency_penalty=0.5), 400, "not supported", "frequency_penalty"),
     ("/v1/completions", dict(model=NAME, prompt="Hi", presence_penalty=-1), 400, "not supported", "presence_penalty"),
     ("/v1/completions", dict(model=NAME, prompt="Hi", logit_bias={"5": 10}), 400, "not supported", "logit_bias"),
-    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logprobs=True), 400, "not supported yet",
-     "logprobs"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=21), 400,
+     "Requested top_logprobs of 21, which is greater than max allowed: 20", "top_logprobs"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], top_logprobs=2), 400,
+     "`logprobs` must be set to true", "top_logprobs"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logprobs=2), 400, "logprobs", "logprobs"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], n=129), 400, "128", "n"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], echo=True), 400, "not supported", "echo"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], prompt_logprobs=1), 400, "not supported",
+     "prompt_logprobs"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}]), 400,
      "not supported", "tools"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_object"}),
@@ -301,8 +317,9 @@ BAD = [  # (path, body, status, words the message must name, param)
 
 
 # Catches: bad input answered with a 500, FastAPI's {"detail": ...}, an error that does not say what
-# is wrong or names the wrong field ("prompt.str"), a silently ignored or cut parameter (n, logprobs,
-# penalties, tools, max_tokens past the context), or a bad request that disturbs everyone else.
+# is wrong or names the wrong field ("prompt.str"), a silently ignored or cut parameter (best_of,
+# penalties, tools, max_tokens past the context), n or logprobs past their caps taken, top_logprobs
+# without logprobs taken, or a bad request that disturbs everyone else.
 @pytest.mark.parametrize("path, body, status, words, param", BAD)
 def test_bad_input_is_an_openai_error(server, path, body, status, words, param):
     if isinstance(body, dict):
