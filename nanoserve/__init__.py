@@ -2,11 +2,14 @@
 from pathlib import Path
 
 from nanoserve.config import Config
-from nanoserve.engine import LLM, LLMEngine, RequestDelta, RequestOutput, StepResult
+from nanoserve.engine import LLMEngine
+from nanoserve.llm import LLM
+from nanoserve.outputs import RequestDelta, RequestOutput, StepResult
 from nanoserve.batch import Batch
 from nanoserve.sampler import SamplingParams
 
 # A tiny Llama trained on Jane Austen's novels, shipped as package data (scripts/train_tiny_llama.py).
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "data" / "tiny-llama")
 
-__all__ = ["DEFAULT_MODEL", "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestDelta", "StepResult", "Batch", "Config"]
+__all__ = ["DEFAULT_MODEL", "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestDelta", "StepResult",
+           "Batch", "Config"]

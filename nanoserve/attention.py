@@ -1,45 +1,43 @@
-"""Attention over a paged KV cache, with a pure-PyTorch stand-in for flash-attn.
+"""Attention over a paged KV cache: write the step's new k, v into their slots, then attend every
+query to all keys of its request, read from the cache.
 
 The KV cache of one layer is two tensors `k_cache`, `v_cache` of shape
 `[num_blocks, block_size, num_kv_heads, head_dim]` (flash-attn's paged layout). Token `p` of a
 request lives in block `block_tables[b][p // block_size]` at offset `p % block_size`, i.e. at the
-flat slot `block_id * block_size + offset`. Block 0 is the null block: it pads `block_tables`
-and never holds a real request's keys.
+flat slot `block_id * block_size + offset`; `slot_mapping` names the slot of each new token.
 
-Each step, `Attention.forward` first writes the step's new k, v into their slots
-(`store_kvcache`), then attends every query to all keys of its request, reading them from the
-cache. Invariants the backends rely on:
+Block 0 is the null block: the block manager never hands it out, so no `slot_mapping` entry points
+into it, and 0 pads the rows of `block_tables`. Why it must never be written: padding is read. The
+torch backend copies whole rows of a decode group's table, padding included, then masks the keys
+past each request's own with -inf. A mask removes a key only if what was read is finite (-inf + inf
+and 0 * inf are NaN), and every request's padding reads the same block 0: kept at the zeros the
+cache starts with, it is masked away harmlessly; one non-finite write there would reach them all.
+
+Invariants both backends keep:
   * causal masks are aligned bottom-right: with seqlen_q queries and seqlen_k keys, query i sees
     key j iff j <= i + seqlen_k - seqlen_q (a prefill chunk sits at the end of its keys);
   * query head h reads kv head h // (num_heads // num_kv_heads) (grouped-query attention);
   * a query that sees no key at all gets a zero output, as flash-attn returns.
 
-Two backends provide the same two entry points: "flash" (the flash-attn package, CUDA only)
-and "torch" (this module's `flash_attn_varlen_func` / `flash_attn_with_kvcache`: same
-signatures and semantics, built on `scaled_dot_product_attention`, used on CPU and in tests).
-
-The torch backend's fast path is `paged_attention`, which follows an `AttentionPlan`: what is the
-same in every layer of a step (which requests attend together, the blocks each reads, the masks),
-built once per step from host-side lengths by `plan_attention`. Decode rows are sorted by context
+Two backends share one shape: `prepare(batch, block_size, dtype)` once per step, which returns what
+every layer's attention shares (its metadata), and `forward(q, k, v, k_cache, v_cache, metadata)`
+per layer. "flash" calls the flash-attn package's kernels (CUDA). "torch" runs anywhere, in plain
+PyTorch: its metadata is an `AttentionPlan` (which requests attend together, the blocks each reads,
+the masks), built from the host-side lengths by `plan_attention`. Decode rows are sorted by context
 length and attended in groups of ~8, each padded only to its own longest context; a prompt (chunk)
-is attended on its own. `attend_each_request` is the plain per-request formulation the tests
-hold the fast path to.
+is attended on its own. tests/flash_reference.py holds the plain per-request formulation that
+both are checked against.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nanoserve.batch import Batch
 from nanoserve.config import cdiv
-
-if TYPE_CHECKING:
-    from nanoserve.batch import Batch
-
-BACKENDS = ("torch", "flash")
 
 
 def store_kvcache(k: Tensor, v: Tensor, k_cache: Tensor,
@@ -51,19 +49,7 @@ def store_kvcache(k: Tensor, v: Tensor, k_cache: Tensor,
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-# ----------------------------------------------------------------------------- torch backend
-
-def reject_unsupported(**options: object) -> None:
-    """Raise NotImplementedError for any flash-attn option set away from its default."""
-    defaults = {"dropout_p": 0.0, "window_size": (-1, -1), "softcap": 0.0,
-                "return_attn_probs": False, "return_softmax_lse": False}  # the others default to None
-    for name, value in options.items():
-        if name == "window_size":
-            value = tuple(value)  # (-1, -1) or [-1, -1]: an unlimited window either way
-        default = defaults.get(name)
-        if (value is not None) if default is None else (value != default):
-            raise NotImplementedError(f"the torch attention backend does not support {name}={value!r}")
-
+# ----------------------------------------------------------------------------- the torch backend
 
 def gather_blocks(cache: Tensor, block_table: Tensor) -> Tensor:
     """Every block of each row of `block_table` `[B, num_blocks]`, copied out of the cache:
@@ -93,29 +79,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, scale: float,
     return out.transpose(1, 2)  # [B, Sq, H, D]
 
 
-def attend_each_request(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_lens: list[int], k_lens: list[int],
-                        block_table: Tensor, causal: bool, scale: float) -> Tensor:
-    """The plain formulation, one request at a time, kept as the reference the tests hold
-    `paged_attention` to: q `[sum(q_lens), H, D]` -> `[sum(q_lens), H, D]`."""
-    out, start = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1]), 0
-    for b, (seqlen_q, seqlen_k) in enumerate(zip(q_lens, k_lens)):
-        table = block_table[b:b + 1, :blocks_needed(seqlen_k, k_cache.shape[1])]
-        keys = gather_blocks(k_cache, table)[:, :seqlen_k]  # [1, seqlen_k, Hkv, D]
-        values = gather_blocks(v_cache, table)[:, :seqlen_k]
-        mask = causal_mask(seqlen_q, seqlen_k, q.device) if causal else q.new_ones(seqlen_q, seqlen_k, dtype=torch.bool)
-        out_b = attend(q[None, start:start + seqlen_q], keys, values, scale, mask)[0]  # [seqlen_q, H, D]
-        out[start:start + seqlen_q] = out_b.masked_fill(~mask.any(-1)[:, None, None], 0.0)  # no key: 0, not NaN
-        start += seqlen_q
-    return out
-
-
-# ----------------------------------------------------------------------------- the fast path: a plan per step
-
 @dataclass(frozen=True)
 class DecodeGroup:
     """Requests with one query each and similar context lengths: one SDPA call for all of them."""
     rows: Tensor         # [R] int64, their rows of q
-    block_table: Tensor  # [R, num_blocks]: only the blocks the longest of them needs
+    block_table: Tensor  # [R, num_blocks]: only the blocks the longest of them needs, padded with block 0
     bias: Tensor         # [R, 1, 1, num_blocks * block_size] q's dtype: 0 for a key, -inf for padding past it
 
 
@@ -131,11 +99,10 @@ class PrefillRequest:
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """What every layer's attention shares in one step, built once per step by `plan_attention`:
-    which requests are attended together, the blocks each reads, their masks. Requests without a key
-    appear nowhere: their output stays 0."""
-    num_rows: int
-    causal: bool
+    """The torch backend's metadata: what every layer's attention shares in one step, built once
+    per step by `plan_attention`. Requests without a key appear in no group: their output stays 0."""
+    slot_mapping: Tensor  # [N] where the step's k, v are written (store_kvcache)
+    num_rows: int         # N, the rows of q
     decode_groups: list[DecodeGroup]
     prefill_requests: list[PrefillRequest]
 
@@ -146,19 +113,16 @@ DECODE_GROUP_ROWS = 8
 def decode_groups_count(num_rows: int) -> int:
     """How many length groups `num_rows` decode rows split into. A group is padded to its longest
     context, and its copied keys and values should still be in cache when SDPA reads them: groups of
-    about 8 rows measured fastest on a 2-core x86 CPU in both dtypes (48 rows, contexts 16-450, one
-    thread: 1.2x faster in bfloat16, 4x in float32 than 2 groups of 24), ~50 us overhead per group."""
+    about 8 rows measured fastest on CPU in both dtypes (figures: README, "Benchmark")."""
     return max(1, cdiv(num_rows, DECODE_GROUP_ROWS))
 
 
-def plan_attention(q_lens: list[int], k_lens: list[int], block_table: Tensor, block_size: int,
-                   causal: bool, dtype: torch.dtype) -> AttentionPlan:
-    """Group the requests for `paged_attention`: q_lens, k_lens are each request's query and key
-    counts (host lists), block_table `[B, max_blocks]` its cache blocks."""
-    device = block_table.device
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
+def plan_attention(batch: Batch, block_size: int, dtype: torch.dtype) -> AttentionPlan:
+    """Group the step's requests for `paged_attention`, from their query and key counts."""
+    device = batch.block_tables.device
+    starts = batch.query_start_loc.tolist()  # request b's queries are rows starts[b], ..., starts[b + 1] - 1
+    q_lens = [end - start for start, end in zip(starts, starts[1:])]
+    k_lens = batch.seq_lens.tolist()
     # decode rows, shortest context first, cut into groups of about equal count
     decode = sorted((b for b, n in enumerate(q_lens) if n == 1 and k_lens[b] > 0), key=lambda b: k_lens[b])
     per_group, groups = max(1, cdiv(len(decode), decode_groups_count(len(decode)))), []
@@ -167,19 +131,19 @@ def plan_attention(q_lens: list[int], k_lens: list[int], block_table: Tensor, bl
         seqlens_k = torch.tensor([k_lens[b] for b in chunk], device=device)
         padding = torch.arange(num_blocks * block_size, device=device) >= seqlens_k[:, None]  # [R, L]
         bias = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill(padding, float("-inf"))
-        table = block_table[torch.tensor(chunk, device=device), :num_blocks]  # [R, num_blocks]
+        table = batch.block_tables[torch.tensor(chunk, device=device), :num_blocks]  # [R, num_blocks]
         rows = torch.tensor([starts[b] for b in chunk], device=device)
         groups.append(DecodeGroup(rows, table, bias[:, None, None, :]))
     prefills = []
     for b in (b for b, n in enumerate(q_lens) if n > 1 and k_lens[b] > 0):
         # with seqlen_q >= seqlen_k the first seqlen_q - seqlen_k queries see no key (output 0) and
         # the others form a square, where SDPA's top-left causal mask is the bottom-right one
-        start = starts[b] + (max(0, q_lens[b] - k_lens[b]) if causal else 0)
+        start = starts[b] + max(0, q_lens[b] - k_lens[b])
         square = starts[b + 1] - start == k_lens[b]
-        mask = causal_mask(starts[b + 1] - start, k_lens[b], device) if causal and not square else None
-        table = block_table[b:b + 1, :blocks_needed(k_lens[b], block_size)]
+        mask = None if square else causal_mask(starts[b + 1] - start, k_lens[b], device)
+        table = batch.block_tables[b:b + 1, :blocks_needed(k_lens[b], block_size)]
         prefills.append(PrefillRequest(start, starts[b + 1], table, k_lens[b], mask))
-    return AttentionPlan(starts[-1], causal, groups, prefills)
+    return AttentionPlan(batch.slot_mapping, starts[-1], groups, prefills)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan, scale: float) -> Tensor:
@@ -194,8 +158,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Attention
     for r in plan.prefill_requests:
         keys = gather_blocks(k_cache, r.block_table)[:, :r.seqlen_k]  # [1, seqlen_k, Hkv, D]
         values = gather_blocks(v_cache, r.block_table)[:, :r.seqlen_k]
-        is_causal = plan.causal and r.mask is None
-        out[r.start:r.end] = attend(q[None, r.start:r.end], keys, values, scale, r.mask, is_causal)[0]
+        out[r.start:r.end] = attend(q[None, r.start:r.end], keys, values, scale, r.mask, r.mask is None)[0]
     return out
 
 
@@ -206,69 +169,57 @@ def attend_decode_group(q_group: Tensor, k_cache: Tensor, v_cache: Tensor, group
     return attend(q_group[:, None], keys, values, scale, group.bias)[:, 0]  # queries as [R, 1, H, D]
 
 
-# ----------------------------------------------------------------------------- flash-attn's two entry points
+class TorchBackend:
+    """Plain PyTorch on any device: SDPA over blocks copied out of the cache, as the step's plan says."""
 
-def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
-                           softmax_scale: float | None = None, causal: bool = False,
-                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                           alibi_slopes: Tensor | None = None, deterministic: bool = False,
-                           return_attn_probs: bool = False, block_table: Tensor | None = None) -> Tensor:
-    """flash-attn's varlen attention: q `[total_q, H, D]` -> `[total_q, H, D]`.
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
 
-    k, v are packed `[total_k, Hkv, D]`, or paged caches when `block_table` is given.
-    """
-    reject_unsupported(dropout_p=dropout_p, window_size=window_size, softcap=softcap,
-                       alibi_slopes=alibi_slopes, return_attn_probs=return_attn_probs)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    q_starts, k_starts = torch.stack((cu_seqlens_q, cu_seqlens_k)).tolist()  # the one host sync
-    q_lens = [end - start for start, end in zip(q_starts, q_starts[1:])]
-    k_lens = [end - start for start, end in zip(k_starts, k_starts[1:])]
-    if block_table is None:
-        # Packed k, v are a paged cache of one-token blocks, request b owning blocks k_starts[b], ...
-        k, v = k[:, None], v[:, None]  # [total_k, 1, Hkv, D]
-        index = torch.tensor(k_starts[:-1], device=q.device)[:, None] + torch.arange(max(1, *k_lens), device=q.device)
-        block_table = index.clamp(max=k.shape[0] - 1)  # [B, max_k]; past a request's keys: never read
-    plan = plan_attention(q_lens, k_lens, block_table, k.shape[1], causal, q.dtype)
-    return paged_attention(q, k, v, plan, scale)
+    def prepare(self, batch: Batch, block_size: int, dtype: torch.dtype) -> AttentionPlan:
+        return plan_attention(batch, block_size, dtype)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                plan: AttentionPlan) -> Tensor:
+        """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`."""
+        store_kvcache(k, v, k_cache, v_cache, plan.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, plan, self.scale)
 
 
-def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None = None,
-                            v: Tensor | None = None, rotary_cos: Tensor | None = None,
-                            rotary_sin: Tensor | None = None, cache_seqlens: Tensor | int | None = None,
-                            cache_batch_idx: Tensor | None = None, cache_leftpad: Tensor | None = None,
-                            block_table: Tensor | None = None, softmax_scale: float | None = None,
-                            causal: bool = False, window_size: tuple[int, int] = (-1, -1),
-                            softcap: float = 0.0, rotary_interleaved: bool = True,
-                            alibi_slopes: Tensor | None = None, num_splits: int = 0,
-                            return_softmax_lse: bool = False) -> Tensor:
-    """flash-attn's attention against a KV cache: q `[B, seqlen_q, H, D]` -> `[B, seqlen_q, H, D]`.
+# ----------------------------------------------------------------------------- the flash backend
 
-    Request b attends to its first `cache_seqlens[b]` cached tokens (plus the new k, v, if given,
-    which are first written into the cache after them).
-    """
-    reject_unsupported(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
-                       cache_leftpad=cache_leftpad, window_size=window_size, softcap=softcap,
-                       alibi_slopes=alibi_slopes, return_softmax_lse=return_softmax_lse)
-    batch_size, seqlen_q = q.shape[:2]
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    if block_table is None:
-        # A contiguous cache [batch_size_cache, seqlen_cache, Hkv, D] is a paged one whose blocks
-        # hold seqlen_cache tokens, request b owning the single block b.
-        block_table = torch.arange(batch_size, device=q.device)[:, None]  # [B, 1]
-    block_size = k_cache.shape[1]
-    if not isinstance(cache_seqlens, Tensor):  # None means the whole cache, an int all alike
-        seqlen = block_table.shape[1] * block_size if cache_seqlens is None else cache_seqlens
-        cache_seqlens = torch.full((batch_size,), seqlen, dtype=torch.int32, device=q.device)
-    if k is not None:  # append the new tokens at positions cache_seqlens[b], cache_seqlens[b] + 1, ...
-        pos = cache_seqlens[:, None].long() + torch.arange(k.shape[1], device=q.device)  # [B, seqlen_new]
-        slots = block_table.gather(1, pos // block_size).long() * block_size + pos % block_size
-        # [B * seqlen_new, Hkv, D] rows into [B * seqlen_new] slots
-        store_kvcache(k.flatten(0, 1), v.flatten(0, 1), k_cache, v_cache, slots.flatten())
-        cache_seqlens = cache_seqlens + k.shape[1]
-    plan = plan_attention([seqlen_q] * batch_size, cache_seqlens.tolist(), block_table, block_size, causal, q.dtype)
-    out = paged_attention(q.flatten(0, 1), k_cache, v_cache, plan, scale)  # [B * seqlen_q, H, D]
-    return out.view(q.shape[:-1] + v_cache.shape[-1:])
+class FlashBackend:
+    """flash-attn's kernels (CUDA, fp16/bf16, block_size a multiple of 256). They read the `Batch`'s
+    own arrays, so the step's metadata is the Batch itself."""
+
+    def __init__(self, scale: float) -> None:
+        # imported only when chosen: it exists only on CUDA machines
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        self.scale = scale
+        self.varlen_func, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
+
+    def prepare(self, batch: Batch, block_size: int, dtype: torch.dtype) -> Batch:
+        return batch
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, batch: Batch) -> Tensor:
+        """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`. `slot_mapping` goes to store_kvcache only:
+        flash-attn finds every key, new ones included, through `block_tables`."""
+        store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
+        if batch.is_decode_only:  # N == B: one query per request, all keys already in the cache
+            # request b's query attends to its first seq_lens[b] cached tokens, in blocks block_tables[b]
+            out = self.with_kvcache(q.unsqueeze(1), k_cache, v_cache,  # q as [B, 1, H, D]
+                                    cache_seqlens=batch.seq_lens, block_table=batch.block_tables,
+                                    softmax_scale=self.scale, causal=True)
+            return out.squeeze(1)  # [N, H, D]
+        # request b's queries are rows query_start_loc[b]:query_start_loc[b + 1] of q; its keys, the
+        # first cu_seqlens_k[b + 1] - cu_seqlens_k[b] (= seq_lens[b]) tokens in blocks block_tables[b]
+        return self.varlen_func(q, k_cache, v_cache, batch.query_start_loc, batch.cu_seqlens_k,
+                                batch.max_query_len, batch.max_seq_len, softmax_scale=self.scale,
+                                causal=True, block_table=batch.block_tables)
+
+
+AttentionBackend = TorchBackend | FlashBackend
+AttentionMetadata = AttentionPlan | Batch  # what each backend's prepare returns
+BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend, "flash": FlashBackend}
 
 
 # ----------------------------------------------------------------------------- choosing a backend
@@ -298,46 +249,3 @@ def flash_attn_importable() -> bool:
         return False
     return True
 
-
-def load_backend(backend: str) -> tuple[Callable[..., Tensor], Callable[..., Tensor]]:
-    """The backend's (flash_attn_varlen_func, flash_attn_with_kvcache)."""
-    if backend == "flash":
-        import flash_attn  # imported only when chosen: it exists only on CUDA machines
-        return flash_attn.flash_attn_varlen_func, flash_attn.flash_attn_with_kvcache
-    return flash_attn_varlen_func, flash_attn_with_kvcache
-
-
-class Attention(torch.nn.Module):
-    """One layer's attention: store the step's k, v in the paged cache, attend to the cache."""
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: str) -> None:
-        super().__init__()
-        assert num_heads % num_kv_heads == 0, "query heads must split evenly over kv heads"
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
-        self.backend = backend
-        self.varlen, self.with_kvcache = load_backend(backend)
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                batch: Batch, plan: AttentionPlan | None = None) -> Tensor:
-        """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`. The torch backend follows `plan`, built
-        once per step by the model (`plan_for_batch`), or here if none is given."""
-        store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
-        if self.backend == "torch":
-            plan = plan or plan_for_batch(batch, k_cache.shape[1], q.dtype)
-            return paged_attention(q, k_cache, v_cache, plan, self.scale)
-        if batch.is_decode_only:  # N == B: one query per request, all keys already in the cache
-            out = self.with_kvcache(q.unsqueeze(1), k_cache, v_cache,  # q as [B, 1, H, D]
-                                    cache_seqlens=batch.seq_lens, block_table=batch.block_tables,
-                                    softmax_scale=self.scale, causal=True)
-            return out.squeeze(1)  # [N, H, D]
-        return self.varlen(q, k_cache, v_cache, batch.query_start_loc, batch.cu_seqlens_k,
-                           batch.max_query_len, batch.max_seq_len, softmax_scale=self.scale,
-                           causal=True, block_table=batch.block_tables)
-
-
-def plan_for_batch(batch: Batch, block_size: int, dtype: torch.dtype) -> AttentionPlan:
-    """The torch backend's plan for one step: the same for every layer, so the model builds it once."""
-    q_starts = batch.query_start_loc.tolist()
-    q_lens = [end - start for start, end in zip(q_starts, q_starts[1:])]
-    return plan_attention(q_lens, batch.seq_lens.tolist(), batch.block_tables, block_size, True, dtype)

@@ -33,7 +33,9 @@ class Batch:
     seq_lens: torch.Tensor         # [B] int32, context length of each request after this step
     cu_seqlens_k: torch.Tensor     # [B+1] int32, cumulative seq_lens (flash-attn's cu_seqlens_k)
     block_tables: torch.Tensor     # [B, max_blocks] int32
-    logits_indices: torch.Tensor   # [S] int64, rows of the last token of each request that samples now
+    logits_indices: torch.Tensor   # [S + P] int64, rows whose logits the model returns: the last token of
+                                   # each request that samples now, then the P prompt-logprob rows
+    next_token_ids: torch.Tensor   # [P] int64, the prompt token each prompt-logprob row predicts
     max_query_len: int
     max_seq_len: int
 
@@ -48,17 +50,31 @@ def samples_now(seq: Sequence, num_new: int) -> bool:
     return seq.num_computed_tokens + num_new == seq.num_tokens
 
 
+def prompt_logprob_positions(seq: Sequence, num_new: int) -> range:
+    """The positions of seq's tokens in this step whose logits give a prompt logprob: position p predicts
+    prompt token p + 1, up to the prompt's last token (whose logits sample). Positions already done are
+    skipped: a preempted request recomputes its prompt, and its prompt_logprobs are kept."""
+    if seq.params.prompt_logprobs is None:
+        return range(0)
+    start = max(seq.num_computed_tokens, len(seq.prompt_logprobs) - 1)
+    return range(start, min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens - 1))
+
+
 def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, device: torch.device) -> Batch:
     """Flatten the scheduled requests' current tokens into one Batch. A pure function.
 
     Request r runs its tokens [num_computed_tokens, num_computed_tokens + num_new): a whole prompt,
     a prompt chunk, or one decode token. Each request's positions count on from its
-    num_computed_tokens: 0, 1, ... for a new prompt, the token's index in its sequence for a decode.
+    num_computed_tokens: 0, 1, ... for a new prompt without a prefix-cache hit; after a hit of k
+    tokens, k, k + 1, ...; for a decode, the token's index in its sequence.
     """
     input_ids: list[int] = []
-    query_lens, seq_lens, samples = [], [], []
+    query_lens, seq_lens, samples, prompt_rows, next_token_ids = [], [], [], [], []
     for seq, num_new in scheduled:
         start = seq.num_computed_tokens
+        positions = prompt_logprob_positions(seq, num_new)
+        prompt_rows += [len(input_ids) + p - start for p in positions]  # rows of the flat batch
+        next_token_ids += seq.token_ids[positions.start + 1:positions.stop + 1]
         input_ids += seq.token_ids[start:start + num_new]
         query_lens.append(num_new)
         seq_lens.append(start + num_new)
@@ -73,7 +89,7 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, device: 
         block_tables[r, :len(seq.block_table)] = seq.block_table  # the rest stays 0, the null block
     # [N]: token t's block is entry positions[t] // block_size of its request's block table
     slot_mapping = block_tables[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    logits_indices = query_start_loc[1:][np.array(samples, dtype=bool)] - 1
+    logits_indices = np.concatenate([query_start_loc[1:][np.array(samples, dtype=bool)] - 1, prompt_rows])
 
     def tensor(array: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(np.asarray(array), dtype=dtype).to(device, non_blocking=True)
@@ -86,6 +102,7 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, device: 
         cu_seqlens_k=tensor(np.concatenate([[0], np.cumsum(seq_lens_np)]), torch.int32),
         block_tables=tensor(block_tables, torch.int32),
         logits_indices=tensor(logits_indices, torch.int64),
+        next_token_ids=tensor(next_token_ids, torch.int64),
         max_query_len=int(query_lens_np.max()),
         max_seq_len=int(seq_lens_np.max()),
     )

@@ -78,8 +78,8 @@ class BlockManager:
         Only blocks before the last token are looked up: the last token is always recomputed, so
         even a full hit leaves one token to run and yields logits to sample from.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need the logits of every prompt token: no hit may skip one (as vLLM)
         hits: list[int] = []
         key = None
         for i in range((seq.num_tokens - 1) // self.block_size):

@@ -1,8 +1,15 @@
 """Engine configuration: one frozen dataclass, checked once, never written back.
 
-Values derived from it (the model's max length by the engine, the number of KV blocks by the
-model runner) are computed where they are needed and passed on as arguments, so a Config always
-says exactly what the user asked for.
+A Config says exactly what the user asked for. What is derived from it and the machine at start-up
+is computed once, where it is needed, and passed on as an argument or held by its owner:
+- device (`device.resolve_device`: cuda if available, else cpu) -> the engine, the model runner;
+- max_model_len (the model's max_position_embeddings unless given: `LLMEngine.__init__`) -> the
+  scheduler (length stop, static reservation) and the model runner (cache sizing);
+- dtype (`device.resolve_dtype`: the checkpoint's, bfloat16 on CUDA) and the attention backend
+  (`attention.select_backend`) -> the model runner, which loads the model with them;
+- num_blocks (`ModelRunner.size_kv_cache` on rank 0 alone, from free memory, unless
+  num_kvcache_blocks is given; broadcast to the other ranks) -> the KV cache and the block manager;
+- the tokenizer and the EOS token ids (tokenizer.py) -> the engine and the scheduler.
 """
 from __future__ import annotations
 

@@ -5,6 +5,9 @@ its final `RequestOutput.text`. Two kinds of text are held back until they are s
 - a character whose bytes are split across tokens (byte-level BPE): `DecodeStream` returns
   nothing until the character is complete, so a stream never shows a half character as U+FFFD;
 - the end of the text that could be the beginning of a stop string: it may yet be cut off.
+How long that end is comes from Knuth-Morris-Pratt's automaton: for each stop string, the length of
+its longest beginning that ends the text (`matched`) is updated from the new characters alone, so a
+token costs the same however long the text and the stop strings are.
 """
 from __future__ import annotations
 
@@ -19,18 +22,23 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.stream = DecodeStream(skip_special_tokens=True)  # decodes the output, never the prompt
         self.stop = stop
+        self.tables = [kmp_table(s) for s in stop]
+        self.matched = [0] * len(stop)  # per stop string: the length of its longest beginning that ends text
         self.text = ""
         self.num_sent = 0
         self.stopped = False  # text was cut before a stop string: it is final
 
     def add(self, token: int) -> bool:
-        """Decode one more token; True if the text now holds a stop string (it is cut before it)."""
-        old_len = len(self.text)
-        self.text += self.stream.step(self.tokenizer.backend_tokenizer, token) or ""
+        """Decode one more token; True if the text now holds a stop string. It is cut before the
+        one that starts first, of those that end in this token's text."""
+        old_len, new = len(self.text), self.stream.step(self.tokenizer.backend_tokenizer, token) or ""
+        self.text += new
         # A stop string absent before this token must end in its new text: search only there.
         found = [i for s in self.stop if (i := self.text.find(s, max(old_len - len(s) + 1, 0))) >= 0]
         if found:
             self.text, self.stopped = self.text[:min(found)], True
+        else:  # no stop string is whole, so each match stays shorter than its stop string
+            self.matched = [advance(s, table, k, new) for s, table, k in zip(self.stop, self.tables, self.matched)]
         return self.stopped
 
     def finish(self, output_token_ids: list[int]) -> None:
@@ -41,11 +49,24 @@ class Detokenizer:
 
     def take_delta(self, finished: bool) -> str:
         """The settled text not yet sent; while running, without an end that begins a stop string."""
-        end = len(self.text) if finished else len(self.text) - stop_prefix_len(self.text, self.stop)
+        end = len(self.text) if finished else len(self.text) - max(self.matched, default=0)
         delta, self.num_sent = self.text[self.num_sent:end], max(end, self.num_sent)
         return delta
 
 
-def stop_prefix_len(text: str, stop: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that is the beginning of a stop string ("Mr" for "Mrs.")."""
-    return max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+def advance(s: str, table: list[int], k: int, new: str) -> int:
+    """s[:k] ends a text; the length of s's longest beginning that ends the text + new (k < len(s))."""
+    for char in new:
+        while k and s[k] != char:  # s[:k] cannot grow by char: fall back to its longest end that begins s
+            k = table[k - 1]
+        k += s[k] == char
+    return k
+
+
+def kmp_table(s: str) -> list[int]:
+    """table[j]: the length of the longest beginning of s that ends s[:j + 1] and is shorter than it
+    (Knuth-Morris-Pratt's failure function), built by running the automaton over s itself."""
+    table = [0] * len(s)
+    for j in range(1, len(s)):
+        table[j] = advance(s, table, table[j - 1], s[j])
+    return table

@@ -1,120 +1,74 @@
-"""Tensor parallelism: one model split over N processes ("ranks"), Megatron-style.
+"""Tensor parallelism's processes: rank 0 is the engine, ranks 1..N-1 are workers it starts and drives.
 
-Each rank holds 1/N of every layer and does 1/N of its work; the ranks meet twice per layer to sum
-their partial results (all-reduce):
-
-    qkv_proj, gate_up_proj   split by output columns: rank r computes its own 1/N of the query and
-                             KV heads, and 1/N of the MLP's hidden units; no exchange needed
-    o_proj, down_proj        split by input rows: each rank's product `[N, hidden]` is a partial
-                             sum over its heads / hidden units; one all-reduce adds them up
-    embed_tokens, lm_head    split over the vocabulary: a rank embeds only the tokens in its range
-                             (zeros elsewhere, then an all-reduce); lm_head's slices of the logits
-                             are gathered on rank 0, which samples
-
-So each rank's KV cache holds only its KV heads, under the very same block tables. Rank 0 is the
-engine: scheduler, block manager and sampler live there only. Each step it sends the `Batch` to
-the other ranks (the workers) over a pipe, then every rank runs the same forward on its shard.
-With tensor_parallel_size 1 none of this runs: no process group, no process, `all_reduce` is a no-op.
+Rank 0 holds the scheduler, the block manager and the sampler; its runner is a `TensorParallelRunner`.
+Each step it sends the `Batch` to every worker over a pipe, then every rank runs the same forward on
+its own shard (distributed.py says what each rank holds and where they meet). Only rank 0 samples.
+With tensor_parallel_size 1 nothing here runs: no process group, no process.
 """
 from __future__ import annotations
 
-import gc
 import signal
 import traceback
-from dataclasses import dataclass, fields
-from datetime import timedelta
+import weakref
+from dataclasses import fields
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import PretrainedConfig
 
 from nanoserve.batch import Batch
 from nanoserve.config import Config
-
-# A collective that waits longer than this raises on every rank still alive: a hung rank becomes an
-# error, never a hang. With gloo (CPU), a rank that dies or raises is noticed at once (its sockets
-# close); NCCL notices only at this timeout.
-TIMEOUT = timedelta(minutes=2)
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Which part of the model this process holds: the `rank`-th 1/`size` of every split dim."""
-    rank: int = 0
-    size: int = 1
-
-    def part(self, n: int) -> slice:
-        """This rank's range of a dim of length n (size divides n)."""
-        step = n // self.size
-        return slice(self.rank * step, (self.rank + 1) * step)
+from nanoserve.distributed import TIMEOUT, Shard, join_group, rank_device
+from nanoserve.model_runner import ModelRunner
+from nanoserve.sampler import SamplerOutput
+from nanoserve.sequence import Sequence
 
 
-def all_reduce(x: torch.Tensor, shard: Shard) -> torch.Tensor:
-    """Sum x over the ranks, in place: each rank holds a partial sum of the same `[N, hidden]`."""
-    if shard.size > 1:
-        dist.all_reduce(x)
-    return x
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: starts the workers, joins their group, loads shard 0, and runs each step's
+    Batch after sending it to the workers. Any failure stops every rank (they are out of step)."""
 
+    def __init__(self, config: Config, device: torch.device, max_model_len: int) -> None:
+        shard = Shard(0, config.tensor_parallel_size)
+        self.workers = Workers(config, max_model_len, device)
+        # at close(), or once this runner is garbage (an LLM dropped without close()); only once
+        self.release = weakref.finalize(self, shut_down, self.workers)
+        try:
+            self.workers.wait_until_started()
+            join_group(shard, self.workers.store, rank_device(device, 0))
+            super().__init__(config, rank_device(device, 0), max_model_len, shard)
+            dist.barrier()  # every rank has its shard and cache: a worker's failure shows here
+        except BaseException as error:
+            self.stop_workers_after(error)
+            raise
 
-def embed(input_ids: torch.Tensor, weight: torch.Tensor, shard: Shard) -> torch.Tensor:
-    """`[N] -> [N, hidden]`; `weight` is this rank's rows of the embedding, a range of the vocabulary."""
-    if shard.size == 1:
-        return weight[input_ids]
-    local = input_ids - shard.rank * weight.shape[0]  # [N], an index into this rank's rows
-    mine = (local >= 0) & (local < weight.shape[0])
-    x = weight[local.where(mine, 0)].masked_fill(~mine[:, None], 0)  # other ranks' tokens: zeros
-    return all_reduce(x, shard)
+    def run(self, batch: Batch, scheduled: list[tuple[Sequence, int]]) -> SamplerOutput:
+        """The workers get the batch and run theirs alongside rank 0's."""
+        try:
+            self.workers.send(batch)
+            return super().run(batch, scheduled)
+        except BaseException as error:
+            self.stop_workers_after(error)
+            raise
 
+    def stop_workers_after(self, error: BaseException) -> None:
+        """An error (or a Ctrl-C) mid-collective leaves the ranks out of step: stop them all, and
+        raise the error of the worker at fault if one failed or died (else the caller re-raises
+        `error`: also when it is a ValueError, bad input that rank 0 found itself)."""
+        failure = self.workers.failure()
+        self.close()
+        if failure is not None and not isinstance(error, ValueError):
+            raise failure from error
 
-def gather_on_rank0(x: torch.Tensor, shard: Shard) -> torch.Tensor | None:
-    """Every rank's `[S, vocab / N]` slice of the logits, side by side on rank 0 `[S, vocab]`; None elsewhere."""
-    if shard.size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(shard.size)] if shard.rank == 0 else None
-    dist.gather(x.contiguous(), parts, dst=0)
-    return torch.cat(parts, dim=-1) if parts else None
+    @property
+    def healthy(self) -> bool:
+        """False once the workers are stopped (closed, or after a failed step): for good."""
+        return bool(self.workers.processes)
 
-
-def check_tensor_parallel(size: int, hf_config: PretrainedConfig, device: torch.device) -> None:
-    """N must split the heads, the MLP and the vocabulary evenly, and have a device per rank; this
-    process must not be in a process group already."""
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-        if getattr(hf_config, name) % size:
-            raise ValueError(f"tensor_parallel_size={size} does not divide the model's {name}={getattr(hf_config, name)}")
-    if size > 1 and dist.is_initialized():
-        gc.collect()  # an LLM dropped without close() leaves the group once it is collected
-    if size > 1 and dist.is_initialized():
-        raise ValueError("this process already has a torch.distributed process group (another LLM with "
-                         "tensor_parallel_size > 1 still open?): close() that one first")
-    if size > 1 and device.type not in ("cpu", "cuda"):
-        raise ValueError(f"tensor_parallel_size={size} runs on cpu (gloo) or cuda (NCCL), not {device.type}")
-    if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={size} from {device} needs more CUDA devices than the "
-                         f"{torch.cuda.device_count()} this machine has")
-
-
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank r's device: the next r-th GPU after rank 0's; on a CPU every rank shares it."""
-    return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
-
-
-def join_group(shard: Shard, store: dist.TCPStore, device: torch.device) -> None:
-    """Every rank calls this once: one process group, gloo between CPU processes, NCCL between GPUs,
-    meeting at rank 0's TCPStore. `device` has its index on CUDA (see rank_device)."""
-    backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
-    if device_id is not None:
-        torch.cuda.set_device(device_id)  # collectives' (and broadcast_object_list's) current GPU
-    dist.init_process_group(backend, store=store, rank=shard.rank, world_size=shard.size, timeout=TIMEOUT,
-                            device_id=device_id)
-
-
-def broadcast_from_rank0(value: object) -> object:
-    """Rank 0's `value` on every rank."""
-    objects = [value]
-    dist.broadcast_object_list(objects, src=0)
-    return objects[0]
+    def close(self) -> None:
+        """Stop the workers and leave the process group."""
+        self.release()
 
 
 class Workers:
@@ -150,6 +104,9 @@ class Workers:
         if process.is_alive():
             return None
         process.join()
+        if process.exitcode == 1:  # it failed before run_worker (which reports errors): as it importing the script
+            return ('died (exit code 1) before it started; its error is printed above. A worker imports the main '
+                    'script anew: one that starts tensor parallelism must guard it with `if __name__ == "__main__":`')
         return f"died (exit code {process.exitcode})"
 
     def wait_until_started(self) -> None:
@@ -208,17 +165,19 @@ def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: o
     """A worker's life: join the group, load its shard, then run every Batch rank 0 sends until
     None. Anything raised goes back to rank 0 over the pipe; the exit closes its sockets, which
     fails rank 0's collective at once."""
-    from nanoserve.model_runner import ModelRunner  # here: model_runner imports this module
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     torch.set_num_threads(num_threads)
     try:
         store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=TIMEOUT)
         pipe.send("started")
-        runner = ModelRunner(config, device, max_model_len, rank, store)
+        shard, device = Shard(rank, config.tensor_parallel_size), rank_device(device, rank)
+        join_group(shard, store, device)
+        runner = ModelRunner(config, device, max_model_len, shard)
+        dist.barrier()
         while (arrays := pipe.recv()) is not None:
             batch = Batch(**{name: torch.from_numpy(value).to(runner.device) if isinstance(value, np.ndarray)
                              else value for name, value in arrays.items()})
-            runner.run(batch, [])
+            runner.run(batch, [])  # rank 0 samples
     except EOFError:  # rank 0 is gone
         pass
     except BaseException:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+# Top logprobs per token, at most: OpenAI's limit, and vLLM's default max_logprobs.
+MAX_LOGPROBS = 20
 # Temperatures below this are greedy, as in vLLM: dividing logits by them overflows float32
 # (1e-38 turns every row into inf/nan, and a nan row's argmax is token 0).
 MIN_TEMPERATURE = 1e-5
@@ -33,6 +35,12 @@ class SamplingParams:
     # Stop strings: the text ends before the first one to appear (finish_reason "stop"); token_ids
     # keep the tokens up to and including the one that completed it. A str or list is stored as a tuple.
     stop: tuple[str, ...] | None = None
+    # n completions of the prompt: LLM.generate and the server add n requests (`for_sample`), which
+    # share the prompt's full KV blocks through the prefix cache.
+    n: int = 1
+    # Logprobs, from the model's raw logits (before temperature, top-k and top-p: vLLM V1's choice).
+    logprobs: int | None = None         # of each output token, with the N most likely (0 <= N <= 20)
+    prompt_logprobs: int | None = None  # of each prompt token but the first, likewise (no prefix-cache hits)
 
     def __post_init__(self) -> None:
         t, p, k, m, stop, seed = (self.temperature, self.top_p, self.top_k, self.max_tokens,
@@ -45,6 +53,11 @@ class SamplingParams:
         require(stop is None or (isinstance(stop, (list, tuple)) and all(is_int(s) and s >= 0 for s in stop)),
                 "stop_token_ids", stop, "None or a list of ints >= 0")
         require(seed is None or is_int(seed), "seed", seed, "an int or None")
+        require(is_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            require(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), name, value,
+                    f"None or an int in [0, {MAX_LOGPROBS}]")
         strings = (self.stop,) if isinstance(self.stop, str) else self.stop
         require(strings is None or (isinstance(strings, (list, tuple)) and all(isinstance(s, str) and s for s in strings)),
                 "stop", self.stop, "None, a non-empty str or a list of non-empty strs")
@@ -57,6 +70,27 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", None if stop is None else tuple(int(s) for s in stop))
         object.__setattr__(self, "seed", None if seed is None else int(seed))
         object.__setattr__(self, "stop", None if strings is None else tuple(strings))
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The params of sample `index` of n: one sample, seeded seed + index as in vLLM (each its own
+        noise; unseeded ones draw from the shared generator anyway)."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One step's sampling: a token per request that sampled, in batch order, with its logprobs (None
+    where not asked for), and the prompt logprobs of the step's prompt-logprob rows, in batch order."""
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]
+    prompt_logprobs: list[dict[int, Logprob]]
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability and its rank among all tokens (1: the most likely)."""
+    logprob: float
+    rank: int
 
 
 class InvalidRequest(ValueError):
@@ -137,3 +171,15 @@ def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torc
     keep = (rank < k) & ((mass_before < p) | (rank == 0))
     sorted_probs = sorted_probs * keep
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[dict[int, Logprob]]:
+    """Each row's token and its row's `num_top` most likely tokens, {token id: Logprob}: the row's
+    token first, then the others by rank. logits [R, vocab] float32 as the model gave them, token_ids [R]."""
+    logprobs = torch.log_softmax(logits, dim=-1)                                  # [R, vocab]
+    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]                         # [R]
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1                          # [R]
+    top = logprobs.topk(max(num_top, default=0), dim=-1)                          # [R, max N]
+    rows = zip(token_ids.tolist(), chosen.tolist(), ranks.tolist(), top.indices.tolist(), top.values.tolist(), num_top)
+    return [{token: Logprob(logprob, rank)} | {t: Logprob(v, r + 1) for r, (t, v) in enumerate(zip(ids[:k], values[:k]))}
+            for token, logprob, rank, ids, values, k in rows]

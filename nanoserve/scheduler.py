@@ -31,8 +31,10 @@ from __future__ import annotations
 
 from collections import deque
 
+from nanoserve.batch import prompt_logprob_positions
 from nanoserve.block_manager import BlockManager
 from nanoserve.config import Config, cdiv
+from nanoserve.sampler import SamplerOutput
 from nanoserve.sequence import Sequence, SequenceStatus
 
 ScheduledSeq = tuple[Sequence, int]  # a request and how many of its tokens run this step
@@ -164,16 +166,19 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, scheduled: list[ScheduledSeq], sampled: list[int]) -> list[Sequence]:
+    def update(self, scheduled: list[ScheduledSeq], output: SamplerOutput) -> list[Sequence]:
         """After the model ran: advance each request, append the sampled tokens (one for every
-        request whose last token ran, in batch order), and finish those that stop. Returns those."""
-        sampled_iter = iter(sampled)
+        request whose last token ran, in batch order) and the logprobs, and finish those that stop.
+        Returns those."""
+        sampled = zip(output.token_ids, output.logprobs)
+        prompt_logprobs = iter(output.prompt_logprobs)
         finished = []
         for seq, num_new in scheduled:
+            seq.prompt_logprobs += [next(prompt_logprobs) for _ in prompt_logprob_positions(seq, num_new)]
             seq.num_computed_tokens += num_new
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt: no token yet
-            seq.append_token(next(sampled_iter))
+            seq.append_token(*next(sampled))
             reason = self.stop_reason(seq)
             if reason is not None:
                 self.finish(seq, reason)

@@ -11,7 +11,7 @@ import enum
 import time
 
 from nanoserve.detokenizer import Detokenizer
-from nanoserve.sampler import SamplingParams
+from nanoserve.sampler import Logprob, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -38,14 +38,20 @@ class Sequence:
         self.block_hashes: list[bytes] = []              # prefix-cache keys of the full blocks, in order
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None            # "stop" | "length" | "abort"
+        # TTFT and latency count from here: add_request, or the HTTP request's arrival when a server
+        # passes it (add_request's arrival_time), so time spent queued before the engine counts too.
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.detokenizer = detokenizer                   # the output text; None without a tokenizer
+        self.logprobs: list[dict[int, Logprob]] = []     # per output token, with params.logprobs
+        self.prompt_logprobs: list[dict[int, Logprob] | None] = [None]  # per prompt token, with params.prompt_logprobs
 
-    def append_token(self, token: int) -> None:
-        """A sampled token: onto token_ids, and into the output text."""
+    def append_token(self, token: int, logprobs: dict[int, Logprob] | None = None) -> None:
+        """A sampled token (and its logprobs, if asked for): onto token_ids, and into the output text."""
         self.token_ids.append(token)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         if self.detokenizer is not None:

@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from nanoserve.block_manager import BlockManager
-from nanoserve.engine import LLMEngine, StepResult
+from nanoserve.engine import LLMEngine
+from nanoserve.outputs import StepResult
 from nanoserve.sequence import Sequence
 
 if TYPE_CHECKING:  # matplotlib is imported only when a picture is drawn

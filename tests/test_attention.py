@@ -1,17 +1,21 @@
-"""Tests for nanoserve/attention.py against a naive attention written out loop by loop."""
+"""Tests for nanoserve/attention.py: its backends against flash-attn's semantics, checked first as
+tests/flash_reference.py (the plain per-request formulation) against a naive attention written out
+loop by loop, then each backend against that reference."""
 from __future__ import annotations
 
 import importlib.util
 import itertools
 import math
 import random
+import sys
 
 import pytest
 import torch
 
+import flash_reference
+from flash_reference import flash_attn_varlen_func, flash_attn_with_kvcache
 from nanoserve import attention
-from nanoserve.attention import (Attention, attend_each_request, flash_attn_varlen_func, flash_attn_with_kvcache,
-                                 paged_attention, plan_attention, plan_for_batch, select_backend, store_kvcache)
+from nanoserve.attention import BACKENDS, paged_attention, plan_attention, select_backend, store_kvcache
 from nanoserve.batch import Batch
 
 H, HKV, D = 4, 2, 8  # grouped-query attention: query heads 0,1 read kv head 0, heads 2,3 kv head 1
@@ -65,6 +69,23 @@ def paged_cache(seq_lens: list[int], block_size: int, seed: int = 0):
     return k_cache, v_cache, block_tables, keys, values
 
 
+def batch_of(q_lens: list[int], k_lens: list[int], block_tables: torch.Tensor) -> Batch:
+    """A step in which request b has q_lens[b] queries and k_lens[b] keys, in blocks block_tables[b],
+    all already in the cache (these tests fill it beforehand: slot_mapping is empty)."""
+    num_tokens = sum(q_lens)
+    zeros = torch.zeros(num_tokens, dtype=torch.int64)  # input_ids and positions: attention reads neither
+    return Batch(input_ids=zeros, positions=zeros,
+                 slot_mapping=torch.empty(0, dtype=torch.int64), query_start_loc=cumsum0(q_lens),
+                 seq_lens=torch.tensor(k_lens, dtype=torch.int32), cu_seqlens_k=cumsum0(k_lens),
+                 block_tables=block_tables, logits_indices=cumsum0(q_lens)[1:].long() - 1,
+                 next_token_ids=torch.empty(0, dtype=torch.int64),  # no prompt-logprob rows
+                 max_query_len=max(q_lens), max_seq_len=max(k_lens))
+
+
+# ----------------------------------------------------------------------------- the reference itself
+
+# ----------------------------------------------------------------------------- the reference itself
+
 def test_varlen_packed_matches_reference():
     torch.manual_seed(0)
     lens = [5, 1, 9, 3]
@@ -111,61 +132,12 @@ def test_with_kvcache_appends_new_tokens_then_attends():
     cache_seqlens = [3, 8]
     k_cache, v_cache, block_tables, keys, values = paged_cache([6, 11], block_size=4, seed=2)
     q, k, v = torch.randn(2, 3, H, D), torch.randn(2, 3, HKV, D), torch.randn(2, 3, HKV, D)
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(cache_seqlens, dtype=torch.int32),
-                                  block_table=block_tables, causal=True)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, block_table=block_tables, causal=True,
+                                  cache_seqlens=torch.tensor(cache_seqlens, dtype=torch.int32))
     for b, n in enumerate(cache_seqlens):
         slots = torch.tensor([int(block_tables[b, p // 4]) * 4 + p % 4 for p in range(n, n + 3)])
         assert torch.equal(k_cache.view(-1, HKV, D)[slots], k[b])
         assert_close(out[b], reference(q[b], torch.cat([keys[b][:n], k[b]]), torch.cat([values[b][:n], v[b]])))
-
-
-TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows, num_groups", [(1, 1), (5, 1), (20, 3), (50, 7)])  # 1: attend_one_request
-def test_decode_length_groups_match_plain_reference(num_rows: int, num_groups: int, dtype: torch.dtype):
-    # contexts of 1..70 tokens in random order: each length group is padded to its own longest,
-    # so a group cut to the wrong length drops keys of some row
-    rng = random.Random(num_rows)
-    k_lens = [rng.randint(1, 70) for _ in range(num_rows)]
-    k_cache, v_cache, block_tables, keys, values = paged_cache(k_lens, block_size=4, seed=num_rows)
-    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
-    q = torch.randn(num_rows, 1, H, D, dtype=dtype)
-    plan = plan_attention([1] * num_rows, k_lens, block_tables, 4, True, dtype)
-    assert len(plan.decode_groups) == num_groups and not plan.prefill_requests
-    assert sorted(torch.cat([g.rows for g in plan.decode_groups]).tolist()) == list(range(num_rows))
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(k_lens, dtype=torch.int32),
-                                  block_table=block_tables, causal=True)
-    expected = attend_each_request(q[:, 0], k_cache, v_cache, [1] * num_rows, k_lens, block_tables, True, D ** -0.5)
-    torch.testing.assert_close(out[:, 0].float(), expected.float(), **TOLERANCE[dtype])
-    if dtype == torch.float32:
-        for b in range(num_rows):
-            assert_close(out[b], reference(q[b], keys[b], values[b]))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_prefill_and_decode_match_plain_reference(dtype: torch.dtype):
-    # 19 decode rows (three length groups) between a full prompt, a prompt chunk, a request with more
-    # queries than keys (its first queries see nothing) and one with no key at all
-    rng = random.Random(7)
-    q_lens = [9, 1, 1, 5, 1, 6, 3] + [1] * 16
-    k_lens = [9, 40, 3, 30, 17, 4, 0] + [rng.randint(1, 60) for _ in range(16)]
-    k_cache, v_cache, block_tables, keys, values = paged_cache(k_lens, block_size=8, seed=7)
-    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
-    q = torch.randn(sum(q_lens), H, D, dtype=dtype)
-    cu_q, cu_k = cumsum0(q_lens), cumsum0(k_lens)
-    out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens),
-                                 causal=True, block_table=block_tables)
-    plan = plan_attention(q_lens, k_lens, block_tables, 8, True, dtype)
-    assert len(plan.decode_groups) == 3 and len(plan.prefill_requests) == 3  # the one without keys: nowhere
-    expected = attend_each_request(q, k_cache, v_cache, q_lens, k_lens, block_tables, True, D ** -0.5)
-    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
-    assert torch.equal(out[cu_q[5]:cu_q[5] + 2], torch.zeros(2, H, D, dtype=dtype))  # 6 queries, 4 keys
-    assert torch.equal(out[cu_q[6]:cu_q[7]], torch.zeros(3, H, D, dtype=dtype))      # no key at all
-    if dtype == torch.float32:
-        for b in range(len(q_lens)):
-            assert_close(out[cu_q[b]:cu_q[b + 1]], reference(q[cu_q[b]:cu_q[b + 1]], keys[b], values[b]))
 
 
 def test_varlen_not_causal_every_query_sees_every_key():
@@ -179,31 +151,6 @@ def test_varlen_not_causal_every_query_sees_every_key():
     for b in range(len(q_lens)):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         assert_close(out[qs], reference(q[qs], k[ks], v[ks], causal=False))
-
-
-def test_paged_attention_follows_one_plan_for_every_layer():
-    # the plan holds no layer's data: two layers' caches (same blocks, other contents) under one plan
-    torch.manual_seed(8)
-    q_lens, k_lens = [1, 4, 1], [12, 6, 3]
-    layers = [paged_cache(k_lens, block_size=4, seed=8) for _ in range(2)]
-    plan = plan_attention(q_lens, k_lens, layers[0][2], 4, True, torch.float32)
-    q = torch.randn(sum(q_lens), H, D)
-    for k_cache, v_cache, block_tables, _, _ in layers:
-        expected = attend_each_request(q, k_cache, v_cache, q_lens, k_lens, block_tables, True, 0.5)
-        torch.testing.assert_close(paged_attention(q, k_cache, v_cache, plan, 0.5), expected)
-
-
-def test_store_kvcache_writes_only_named_slots():
-    k_cache, v_cache = torch.zeros(4, 4, HKV, D), torch.zeros(4, 4, HKV, D)
-    slot_mapping = torch.tensor([5, 14, 3], dtype=torch.int64)
-    k, v = torch.randn(3, HKV, D), torch.randn(3, HKV, D)
-    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
-    assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(k_cache[3, 2], k[1]) and torch.equal(k_cache[0, 3], k[2])
-    assert torch.equal(v_cache.view(-1, HKV, D)[slot_mapping], v)
-    untouched = torch.ones(16, dtype=torch.bool)
-    untouched[slot_mapping] = False
-    assert k_cache.view(-1, HKV, D)[untouched].abs().sum() == 0
-    assert v_cache.view(-1, HKV, D)[untouched].abs().sum() == 0
 
 
 def test_causal_mask_is_bottom_right():
@@ -234,6 +181,89 @@ def test_query_that_sees_no_key_gets_zero():
     assert_close(out1[1], reference(q1[1], keys[1], values[1], causal=False))
 
 
+def test_reference_rejects_unsupported_options():
+    q, k = torch.randn(2, H, D), torch.randn(2, HKV, D)
+    cu = cumsum0([2])
+    with pytest.raises(NotImplementedError):
+        flash_attn_varlen_func(q, k, k, cu, cu, 2, 2, window_size=(4, 0))
+    flash_attn_varlen_func(q, k, k, cu, cu, 2, 2, window_size=[-1, -1])  # the default, as a list
+
+
+# ----------------------------------------------------------------------------- the torch backend
+
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows, num_groups", [(1, 1), (5, 1), (20, 3), (50, 7)])  # 1: the one-request path
+def test_decode_length_groups_match_plain_reference(num_rows: int, num_groups: int, dtype: torch.dtype):
+    # contexts of 1..70 tokens in random order: each length group is padded to its own longest,
+    # so a group cut to the wrong length drops keys of some row
+    rng = random.Random(num_rows)
+    k_lens = [rng.randint(1, 70) for _ in range(num_rows)]
+    k_cache, v_cache, block_tables, keys, values = paged_cache(k_lens, block_size=4, seed=num_rows)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    q = torch.randn(num_rows, H, D, dtype=dtype)
+    plan = plan_attention(batch_of([1] * num_rows, k_lens, block_tables), 4, dtype)
+    assert len(plan.decode_groups) == num_groups and not plan.prefill_requests
+    assert sorted(torch.cat([g.rows for g in plan.decode_groups]).tolist()) == list(range(num_rows))
+    out = paged_attention(q, k_cache, v_cache, plan, D ** -0.5)
+    cache_seqlens = torch.tensor(k_lens, dtype=torch.int32)
+    expected = flash_attn_with_kvcache(q[:, None], k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                       block_table=block_tables, causal=True)[:, 0]
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_prefill_and_decode_match_plain_reference(dtype: torch.dtype):
+    # 19 decode rows (three length groups) between a full prompt, a prompt chunk, a request with more
+    # queries than keys (its first queries see nothing) and one with no key at all
+    rng = random.Random(7)
+    q_lens = [9, 1, 1, 5, 1, 6, 3] + [1] * 16
+    k_lens = [9, 40, 3, 30, 17, 4, 0] + [rng.randint(1, 60) for _ in range(16)]
+    k_cache, v_cache, block_tables, keys, values = paged_cache(k_lens, block_size=8, seed=7)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    q = torch.randn(sum(q_lens), H, D, dtype=dtype)
+    cu_q, cu_k = cumsum0(q_lens), cumsum0(k_lens)
+    plan = plan_attention(batch_of(q_lens, k_lens, block_tables), 8, dtype)
+    assert len(plan.decode_groups) == 3 and len(plan.prefill_requests) == 3  # the one without keys: nowhere
+    out = paged_attention(q, k_cache, v_cache, plan, D ** -0.5)
+    expected = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens),
+                                      causal=True, block_table=block_tables)
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
+    assert torch.equal(out[cu_q[5]:cu_q[5] + 2], torch.zeros(2, H, D, dtype=dtype))  # 6 queries, 4 keys
+    assert torch.equal(out[cu_q[6]:cu_q[7]], torch.zeros(3, H, D, dtype=dtype))      # no key at all
+
+
+def test_paged_attention_follows_one_plan_for_every_layer():
+    # the plan holds no layer's data: two layers' caches (same blocks, other contents) under one plan
+    torch.manual_seed(8)
+    q_lens, k_lens = [1, 4, 1], [12, 6, 3]
+    layers = [paged_cache(k_lens, block_size=4, seed=8) for _ in range(2)]
+    plan = plan_attention(batch_of(q_lens, k_lens, layers[0][2]), 4, torch.float32)
+    q = torch.randn(sum(q_lens), H, D)
+    cu_q, cu_k = cumsum0(q_lens), cumsum0(k_lens)
+    for k_cache, v_cache, block_tables, _, _ in layers:
+        expected = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens),
+                                          softmax_scale=0.5, causal=True, block_table=block_tables)
+        torch.testing.assert_close(paged_attention(q, k_cache, v_cache, plan, 0.5), expected)
+
+
+def test_store_kvcache_writes_only_named_slots():
+    k_cache, v_cache = torch.zeros(4, 4, HKV, D), torch.zeros(4, 4, HKV, D)
+    slot_mapping = torch.tensor([5, 14, 3], dtype=torch.int64)
+    k, v = torch.randn(3, HKV, D), torch.randn(3, HKV, D)
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(k_cache[3, 2], k[1]) and torch.equal(k_cache[0, 3], k[2])
+    assert torch.equal(v_cache.view(-1, HKV, D)[slot_mapping], v)
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[slot_mapping] = False
+    assert k_cache.view(-1, HKV, D)[untouched].abs().sum() == 0
+    assert v_cache.view(-1, HKV, D)[untouched].abs().sum() == 0
+
+
+# ----------------------------------------------------------------------------- both backends, one shape
+
 def walkthrough_prefill_batch() -> Batch:
     """Step 1 of the walkthrough (docs/walkthrough.md): block_size 4, prompts of 5, 7, 3 tokens in
     blocks [1,2], [3,4], [5]."""
@@ -246,6 +276,7 @@ def walkthrough_prefill_batch() -> Batch:
         cu_seqlens_k=torch.tensor([0, 5, 12, 15], dtype=torch.int32),
         block_tables=torch.tensor([[1, 2], [3, 4], [5, 0]], dtype=torch.int32),
         logits_indices=torch.tensor([4, 11, 14]),
+        next_token_ids=torch.empty(0, dtype=torch.int64),  # no prompt-logprob rows
         max_query_len=7,
         max_seq_len=7,
     )
@@ -262,36 +293,76 @@ def walkthrough_decode_batch() -> Batch:
         cu_seqlens_k=torch.tensor([0, 6, 14, 18], dtype=torch.int32),
         block_tables=torch.tensor([[1, 2], [3, 4], [5, 0]], dtype=torch.int32),
         logits_indices=torch.tensor([0, 1, 2]),
+        next_token_ids=torch.empty(0, dtype=torch.int64),  # no prompt-logprob rows
         max_query_len=1,
         max_seq_len=8,
     )
 
 
-def test_attention_module_walkthrough():
+def mixed_step_batch() -> Batch:
+    """A step after the walkthrough's step 2: request 0 runs a 3-token chunk after its 6 cached tokens
+    (into new block 6), request 2 decodes one (into new block 7). Queries are not keys here:
+    query_start_loc [0, 3, 4] but cu_seqlens_k [0, 9, 14]."""
+    return Batch(
+        input_ids=torch.tensor([17, 18, 19, 20]),
+        positions=torch.tensor([6, 7, 8, 4]),
+        slot_mapping=torch.tensor([10, 11, 24, 28]),
+        query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
+        seq_lens=torch.tensor([9, 5], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, 9, 14], dtype=torch.int32),
+        block_tables=torch.tensor([[1, 2, 6], [5, 7, 0]], dtype=torch.int32),
+        logits_indices=torch.tensor([2, 3]),
+        next_token_ids=torch.empty(0, dtype=torch.int64),  # no prompt-logprob rows
+        max_query_len=3,
+        max_seq_len=9,
+    )
+
+
+@pytest.fixture
+def flash_attn_is_the_reference(monkeypatch):
+    """flash-attn cannot run here: the reference, which has its signatures, stands in for the package."""
+    monkeypatch.setitem(sys.modules, "flash_attn", flash_reference)
+
+
+@pytest.mark.parametrize("name", ["torch", "flash"])
+def test_backend_walkthrough(name: str, flash_attn_is_the_reference):
+    """Both backends, prepare once per step then forward, on the walkthrough's two steps (a prefill of
+    three prompts, then a decode: flash_attn_varlen_func, then flash_attn_with_kvcache) and a step
+    mixing a prompt chunk after cached tokens with a decode (varlen again). Catches k, v stored in the
+    wrong slots or the null block, and for flash any array passed in the wrong place (query_start_loc
+    for cu_seqlens_k, seq_lens off by the new token, a wrong block table or scale)."""
     torch.manual_seed(4)
-    attention = Attention(H, HKV, D, backend="torch")
+    scale = 0.3  # not flash-attn's default 1 / sqrt(D): a backend must pass its own
+    backend = BACKENDS[name](scale)
     k_cache, v_cache = torch.zeros(8, 4, HKV, D), torch.zeros(8, 4, HKV, D)
 
     prefill = walkthrough_prefill_batch()
     q, k, v = torch.randn(15, H, D), torch.randn(15, HKV, D), torch.randn(15, HKV, D)
-    out = attention(q, k, v, k_cache, v_cache, prefill)
+    out = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(prefill, 4, torch.float32))
     assert out.shape == (15, H, D)
     for s, e in [(0, 5), (5, 12), (12, 15)]:
-        assert_close(out[s:e], reference(q[s:e], k[s:e], v[s:e]))
+        assert_close(out[s:e], reference(q[s:e], k[s:e], v[s:e], scale=scale))
     assert torch.equal(k_cache.view(-1, HKV, D)[prefill.slot_mapping], k)
     assert torch.equal(v_cache.view(-1, HKV, D)[prefill.slot_mapping], v)
     assert k_cache[0].abs().sum() == 0  # the null block is never written
 
     decode = walkthrough_decode_batch()
     q2, k2, v2 = torch.randn(3, H, D), torch.randn(3, HKV, D), torch.randn(3, HKV, D)
-    out2 = attention(q2, k2, v2, k_cache, v_cache, decode)
+    out2 = backend.forward(q2, k2, v2, k_cache, v_cache, backend.prepare(decode, 4, torch.float32))
     assert out2.shape == (3, H, D)
-    # the model builds the plan once per step and hands it to every layer: the same result
-    plan = plan_for_batch(decode, block_size=4, dtype=torch.float32)
-    assert torch.equal(attention(q2, k2, v2, k_cache, v_cache, decode, plan), out2)
     for b, (s, e) in enumerate([(0, 5), (5, 12), (12, 15)]):
         keys, values = torch.cat([k[s:e], k2[b:b + 1]]), torch.cat([v[s:e], v2[b:b + 1]])
-        assert_close(out2[b:b + 1], reference(q2[b:b + 1], keys, values))
+        assert_close(out2[b:b + 1], reference(q2[b:b + 1], keys, values, scale=scale))
+
+    mixed = mixed_step_batch()
+    q3, k3, v3 = torch.randn(4, H, D), torch.randn(4, HKV, D), torch.randn(4, HKV, D)
+    out3 = backend.forward(q3, k3, v3, k_cache, v_cache, backend.prepare(mixed, 4, torch.float32))
+    keys = torch.cat([k[0:5], k2[0:1], k3[0:3]])  # request 0: its prompt, its decode token, its chunk
+    values = torch.cat([v[0:5], v2[0:1], v3[0:3]])
+    assert_close(out3[0:3], reference(q3[0:3], keys, values, scale=scale))
+    keys, values = torch.cat([k[12:15], k2[2:3], k3[3:4]]), torch.cat([v[12:15], v2[2:3], v3[3:4]])
+    assert_close(out3[3:4], reference(q3[3:4], keys, values, scale=scale))
+    assert k_cache[0].abs().sum() == 0
 
 
 def test_select_backend(monkeypatch):
@@ -314,20 +385,12 @@ def test_select_backend(monkeypatch):
     assert select_backend("auto", cuda, 256, fp32) == "torch"
 
 
-def test_unsupported_options_raise():
-    q, k = torch.randn(2, H, D), torch.randn(2, HKV, D)
-    cu = cumsum0([2])
-    with pytest.raises(NotImplementedError):
-        flash_attn_varlen_func(q, k, k, cu, cu, 2, 2, window_size=(4, 0))
-    flash_attn_varlen_func(q, k, k, cu, cu, 2, 2, window_size=[-1, -1])  # the default, as a list
-
-
 flash_attn_ready = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not flash_attn_ready, reason="needs CUDA and the flash_attn package")
-def test_flash_backend_matches_torch_backend():
+def test_flash_attn_matches_reference():
     import flash_attn
 
     torch.manual_seed(5)

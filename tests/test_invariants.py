@@ -21,6 +21,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.batch import build_batch
 from nanoserve.block_manager import Block, BlockManager
 from nanoserve.config import Config
+from nanoserve.sampler import SamplerOutput
 from nanoserve.scheduler import ScheduledSeq, Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus
 
@@ -89,7 +90,7 @@ def next_token(context_kv: list[int]) -> int:
     return context_kv[-1] % VOCAB
 
 
-def run_fake_model(scheduled: list[ScheduledSeq], kv_cache: dict[int, int], block_size: int) -> list[int]:
+def run_fake_model(scheduled: list[ScheduledSeq], kv_cache: dict[int, int], block_size: int) -> SamplerOutput:
     """Write this step's KV by slot_mapping, then read each request's context through its block
     table (as attention does, in every layer) and check it is exactly the request's tokens; sample
     the fake next token."""
@@ -107,7 +108,7 @@ def run_fake_model(scheduled: list[ScheduledSeq], kv_cache: dict[int, int], bloc
         assert context == kv_of(seq.token_ids[:seq_len]), f"{seq} reads KV that is not its own"
         if seq.num_computed_tokens + num_new == seq.num_tokens:
             sampled.append(next_token(context))
-    return sampled
+    return SamplerOutput(sampled, [None] * len(sampled), [])
 
 
 def expected_output(w: Workload, r: Request) -> tuple[str, list[int]]:
@@ -317,6 +318,7 @@ def test_the_writer_aborted_or_preempted_leaves_its_readers_their_kv(tiny_models
     assert outputs["3"].num_cached_tokens == 16  # request 0's blocks, still cached
     assert [outputs[str(i)].token_ids for i in (1, 2, 3)] == [expected[i] for i in (1, 2, 3)]
     small = LLM(path, block_size=4, num_kvcache_blocks=12, max_model_len=32).engine  # 11 blocks for 5 requests
+    small.scheduler.blocks_to_keep_free = lambda: 0  # admit while blocks last, so that growth preempts
     outputs = serve_shared(small, range(5))
     assert small.scheduler.num_preemptions > 0
     assert [outputs[str(i)].token_ids for i in range(5)] == expected

@@ -80,6 +80,8 @@ def test_abort_in_any_state_frees_blocks_at_once(tiny_models, state):
     num_free = bm.num_free_blocks
     output = engine.abort_request(victim_id)
     assert output.finish_reason == "abort" and output.token_ids == reference(path)[victim][:len(output.token_ids)]
+    # No token yet (waiting, prefilling): no time to a first token, rather than a made-up one.
+    assert (output.ttft is None) == (state in ("waiting", "prefilling")) and output.latency > 0
     assert bm.num_free_blocks == num_free + len(own_blocks) and all(b in bm.free_queue for b in own_blocks)
     assert seq.status is SequenceStatus.FINISHED and victim_id not in engine.requests
     assert seq not in engine.scheduler.waiting and seq not in engine.scheduler.running

@@ -1,4 +1,4 @@
-"""Tests for nanoserve/models/llama.py: logits equal transformers' LlamaForCausalLM.
+"""Tests for nanoserve/models/ (llama.py, loader.py) and layers/: logits equal transformers' LlamaForCausalLM.
 
 Each test builds a tiny random Llama with transformers, saves it like a Hub checkpoint into a tmp
 folder, loads it with `load_model` and compares logits for the same tokens. Weights use
@@ -20,9 +20,10 @@ from transformers import GPT2Config, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from nanoserve.batch import Batch
-from nanoserve.model_runner import resolve_dtype
-from nanoserve.models import llama
-from nanoserve.models.llama import PackedLinear, load_model
+from nanoserve.device import resolve_dtype
+from nanoserve.layers.linear import PackedLinear
+from nanoserve.models import loader
+from nanoserve.models.loader import load_model
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -72,6 +73,7 @@ def make_batch(prompts: list[list[int]], cached: list[int] | None = None) -> Bat
         cu_seqlens_k=torch.cat([torch.zeros(1), seq_lens.cumsum(0)]).to(torch.int32),
         block_tables=torch.tensor(block_tables, dtype=torch.int32),
         logits_indices=torch.arange(len(input_ids)),  # every row, to compare all positions
+        next_token_ids=torch.empty(0, dtype=torch.int64),  # no prompt-logprob rows
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
     )
@@ -117,6 +119,19 @@ def test_tied_checkpoint_has_no_lm_head(tmp_path: Path) -> None:
     assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
     model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.is_contiguous()  # row-major, as the embedding's row lookups want it
+
+
+def test_float32_linears_are_column_major(tmp_path: Path) -> None:
+    """On CPU in float32 every (untied) linear weight is stored column-major, the layout MKL multiplies
+    fastest (layers/linear.py), holding the checkpoint's values. Catches the layout silently lost:
+    outputs would stay exact and only the speed drop."""
+    hf_model = save_llama(tmp_path)
+    model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 2 * 4 + 1  # 4 per layer + lm_head
+    assert all(m.weight.stride() == (1, m.weight.shape[0]) for m in linears)
+    assert torch.equal(model.lm_head.weight, hf_model.lm_head.weight)
 
 
 def test_old_style_rope_scaling(tmp_path: Path) -> None:
@@ -177,7 +192,7 @@ def test_packed_linears_equal_nn_linear(tmp_path: Path, monkeypatch: pytest.Monk
     that is transposed, rounded or lost its tie to the embedding."""
     save_llama(tmp_path, tie_word_embeddings=True)
     packed = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
-    monkeypatch.setattr(llama, "pack_linears", lambda model: model)  # the reference: plain nn.Linear
+    monkeypatch.setattr(loader, "pack_linears", lambda model: model)  # the reference: plain nn.Linear
     plain = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
     assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 2 * 4 + 1  # 4 per layer + lm_head
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())

@@ -6,11 +6,11 @@ from collections import namedtuple
 import pytest
 import torch
 
-import nanoserve.model_runner as model_runner
+import nanoserve.device as device_module
 from nanoserve import LLM
 from nanoserve.attention import select_backend
 from nanoserve.config import CPU_KV_CACHE_FRACTION
-from nanoserve.engine import resolve_device
+from nanoserve.device import resolve_device
 
 Memory = namedtuple("Memory", "available total")
 
@@ -19,7 +19,7 @@ def test_kv_cache_is_sized_from_available_memory_without_linux_only_calls(tiny_m
     def no_sysconf(name):  # as on macOS, where SC_AVPHYS_PAGES does not exist
         raise ValueError(f"unrecognized configuration name {name!r}")
     monkeypatch.setattr(os, "sysconf", no_sysconf)
-    monkeypatch.setattr(model_runner.psutil, "virtual_memory", lambda: Memory(10 * 2**20, 64 * 2**20))
+    monkeypatch.setattr(device_module.psutil, "virtual_memory", lambda: Memory(10 * 2**20, 64 * 2**20))
     llm = LLM(tiny_models["gqa"], block_size=4, max_num_seqs=64)
     runner = llm.engine.model_runner
     # tiny model: 2 layers x 2 kv heads x head_dim 16 x 4 slots x k and v x 4 bytes = 2 KiB a block
@@ -28,13 +28,13 @@ def test_kv_cache_is_sized_from_available_memory_without_linux_only_calls(tiny_m
 
 
 def test_a_budget_too_small_for_one_request_is_an_error_not_a_cache_over_budget(tiny_models, monkeypatch):
-    monkeypatch.setattr(model_runner.psutil, "virtual_memory", lambda: Memory(100 * 2048, 2**30))
+    monkeypatch.setattr(device_module.psutil, "virtual_memory", lambda: Memory(100 * 2048, 2**30))
     # 10% of 100 blocks' worth is 10 blocks: fewer than one 256-token request needs (64 + null block)
     with pytest.raises(ValueError, match="9 usable blocks of 4 slots"):
         LLM(tiny_models["gqa"], block_size=4)
     # A budget of 1 block (the null block alone) is refused too, even where 2 blocks would serve a
     # request of max_model_len=4: the bug rounded every budget up to 2 blocks, over the memory given.
-    monkeypatch.setattr(model_runner.psutil, "virtual_memory", lambda: Memory(15 * 2048, 2**30))
+    monkeypatch.setattr(device_module.psutil, "virtual_memory", lambda: Memory(15 * 2048, 2**30))
     with pytest.raises(ValueError, match="0 usable blocks"):
         LLM(tiny_models["gqa"], block_size=4, max_model_len=4)
 

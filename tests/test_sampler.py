@@ -104,6 +104,21 @@ def test_apply_top_k_top_p_keeps_exactly_the_set(top_k, top_p, kept):
     assert torch.equal(out[sorted(kept)], probs[0, sorted(kept)])  # the kept ones untouched
 
 
+@pytest.mark.parametrize("off, on, kept", [
+    (SamplingParams(top_p=1.0), SamplingParams(top_p=0.6), {1, 3}),
+    (SamplingParams(top_k=0), SamplingParams(top_k=2), {1, 3}),
+    (SamplingParams(top_p=1.0, top_k=-1), SamplingParams(top_p=0.3), {1}),
+])
+def test_a_row_without_top_k_or_top_p_leaves_the_others_theirs(off, on, kept):
+    # Catches: the top-k / top-p path skipped for the whole batch when any row has it off (top_p=1.0),
+    # in apply_top_k_top_p and in sample() (2000 draws of each row).
+    probs = torch.tensor([PROBS] * 2)
+    out = apply_top_k_top_p(probs, [off, on])
+    assert set(out[0].nonzero().flatten().tolist()) == ALL and set(out[1].nonzero().flatten().tolist()) == kept
+    tokens = draw(torch.tensor(PROBS).log().repeat(4000, 1), [off, on] * 2000)
+    assert set(tokens[1::2]) == kept and set(tokens[0::2]) == ALL
+
+
 def test_apply_top_k_top_p_uses_each_rows_own_values():
     # Catches: one row's top_k or top_p applied to the whole batch (min/max instead of per row).
     probs = torch.tensor([PROBS] * len(KEPT))
@@ -185,6 +200,26 @@ def test_a_seeded_request_draws_fresh_noise_for_each_token():
     # that repeats one token forever).
     tokens = seeded_tokens(7, count=50)
     assert len(set(tokens)) > 25  # 50 draws from 1000 tokens: about 49 distinct
+
+
+def test_seed_and_token_number_are_not_run_together():
+    # Catches: the noise seed built from the digits of seed and n side by side (f"{seed}{n}"), so that
+    # seed 1's token 23 draws the noise of seed 12's token 3.
+    for (seed, n), (other, m) in [((1, 23), (12, 3)), ((12, 34), (123, 4)), ((2, 11), (21, 1)), ((1, 11), (11, 1))]:
+        assert draw(FLAT, [SamplingParams(seed=seed)], [n]) != draw(FLAT, [SamplingParams(seed=other)], [m])
+
+
+def test_a_seeded_request_leaves_the_shared_generator_alone():
+    # Catches: a seeded row's noise drawn by reseeding torch's global generator instead of its own: the
+    # unseeded requests sampled after it would repeat the same draws, step after step.
+    unseeded = [draw(FLAT.repeat(2, 1), [SamplingParams(seed=7), SamplingParams()], [0, 0])[1] for _ in range(20)]
+    assert len(set(unseeded)) > 10  # 20 draws from 1000 equally likely tokens: about 20 distinct
+    torch.manual_seed(0)
+    draw(FLAT.repeat(2, 1), [SamplingParams(seed=7), SamplingParams()], [0, 0])
+    after_seeded = torch.rand(4)
+    torch.manual_seed(0)
+    draw(FLAT.repeat(2, 1), [SamplingParams(), SamplingParams()], [0, 0])
+    assert torch.equal(after_seeded, torch.rand(4))  # the global generator moved as if no row were seeded
 
 
 @pytest.mark.parametrize("seed, other", [(-1, -2), (5, 5 + 2**61 - 1), (0, 2**64), (1, -1), (2**200, -2**200)])

@@ -4,13 +4,18 @@ import pytest
 
 from nanoserve.batch import build_batch
 from nanoserve.config import Config
-from nanoserve.sampler import SamplingParams
+from nanoserve.sampler import SamplerOutput, SamplingParams
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus
 
 WALKTHROUGH_PROMPTS = [[1, 2, 3, 4, 5], [1, 6, 5, 7, 8, 9, 10], [1, 12, 13]]  # docs/walkthrough.md
 NEXT_TOKEN = 99  # the fake sampler always answers this
 
+
+
+def sampled(token_ids: list[int]) -> SamplerOutput:
+    """The model's sampled tokens for Scheduler.update, without logprobs."""
+    return SamplerOutput(token_ids, [None] * len(token_ids), [])
 
 def make_scheduler(num_blocks: int = 64, **config) -> Scheduler:
     return Scheduler(Config(model="unused", **config), num_blocks, max_model_len=1024, eos_token_ids=set())
@@ -28,7 +33,7 @@ def step(sched: Scheduler) -> list[tuple[Sequence, int]]:
     scheduled = sched.schedule()
     sched.assert_invariants(scheduled)
     num_samples = sum(seq.num_computed_tokens + n == seq.num_tokens for seq, n in scheduled)
-    sched.update(scheduled, [NEXT_TOKEN] * num_samples)
+    sched.update(scheduled, sampled([NEXT_TOKEN] * num_samples))
     sched.assert_invariants()
     return scheduled
 
@@ -45,7 +50,7 @@ def test_walkthrough_prefill_then_decode_batches():
     assert batch.seq_lens.tolist() == [5, 7, 3]
     assert batch.block_tables.tolist() == [[1, 2], [3, 4], [5, 0]]
     assert batch.logits_indices.tolist() == [4, 11, 14]
-    sched.update(scheduled, [14, 15, 16])
+    sched.update(scheduled, sampled([14, 15, 16]))
     batch = build_batch(sched.schedule(), 4, "cpu")
     assert batch.input_ids.tolist() == [14, 15, 16]
     assert batch.positions.tolist() == [5, 7, 3]
@@ -246,7 +251,7 @@ def test_requests_admitted_in_one_step_share_the_system_prompt_blocks_the_first_
     assert all(s.block_table[:3] == seqs[0].block_table[:3] for s in seqs)
     assert len({s.block_table[3] for s in seqs}) == 5  # the 4th block is each one's own
     assert sched.num_cached_tokens == 48
-    sched.update(scheduled, [NEXT_TOKEN] * 5)
+    sched.update(scheduled, sampled([NEXT_TOKEN] * 5))
     sched.assert_invariants()
 
 

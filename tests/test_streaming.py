@@ -1,8 +1,11 @@
 """Streaming (StepResult.deltas), stop strings and LLM.chat, on the bundled byte-level BPE model."""
+import dataclasses
 import json
+import random
 import shutil
 
 import pytest
+from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer
 
 import nanoserve
@@ -112,9 +115,13 @@ def test_prefix_cache_hits_stream_the_same(llm):
 @pytest.mark.parametrize("stop, text, num_tokens", [
     ("I am sure", ", that it is not a very different thing to be done. ", 16),  # straddles 3 tokens
     (["the least", "very diff"], ", that it is not a ", 8),   # the earlier one wins; ends mid-token
+    (["ff", " different"], ", that it is not a very", 8),     # both end in ' different': the one that starts first
     ([", th"], "", 2),                                         # at the very start
+    (" I am ", ", that it is not a very different thing to be done.", 16),  # ' I', ' am' end in " I am" (held)
 ])
-# Catches: a stop string missed across tokens, leaked into a delta, or left in the text; blocks kept.
+# Catches: a stop string missed across tokens, leaked into a delta, or left in the text; blocks kept;
+# the text cut at the first stop string in list order instead of the first in the text; an end that is
+# a stop string less its last character streamed (then cut).
 def test_stop_strings(llm, stop, text, num_tokens):
     assert GREEDY_TEXT.startswith(text)
     ids, deltas, outputs = stream(llm.engine, [PROMPT, "Elizabeth"],
@@ -151,8 +158,108 @@ def test_abort_mid_stream(llm):
     assert result.outputs == [aborted] and aborted.finish_reason == "abort" and not result.deltas
     assert [t for d in seen for t in d.token_ids] == aborted.token_ids
     assert GREEDY_TEXT.startswith(aborted.text) and aborted.text.startswith("".join(d.text for d in seen))
-    assert not engine.has_unfinished_requests() and not engine.step().deltas
+    assert not engine.has_unfinished_requests()
+    later = engine.step()
+    assert not later.deltas and not later.outputs  # reported once, not again in every later step
     assert_blocks_back(llm)
+
+
+def ending_inside_a_character(llm) -> tuple[SamplingParams, int]:
+    """A seeded request and n such that its first n output tokens end inside a character: decoded
+    whole they end in U+FFFD, decoded as a stream that character's bytes are still held back."""
+    tokenizer = llm.engine.tokenizer
+    for seed in range(20):
+        params = SamplingParams(temperature=8.0, max_tokens=40, seed=seed, ignore_eos=True)
+        token_ids = llm.generate(PROMPT, params, use_tqdm=False)[0].token_ids
+        decoder, streamed = DecodeStream(skip_special_tokens=True), ""
+        for n, token in enumerate(token_ids, 1):
+            streamed += decoder.step(tokenizer.backend_tokenizer, token) or ""
+            if tokenizer.decode(token_ids[:n], skip_special_tokens=True) != streamed:
+                return params, n
+    pytest.fail("no seed ends inside a character: the tests that use this would test nothing")
+
+
+# Catches: the last delta taken before the final re-decode, so a request that ends inside a
+# character never streams the end of its text.
+def test_a_request_that_ends_inside_a_character_streams_its_whole_text(llm):
+    params, n = ending_inside_a_character(llm)
+    ids, deltas, outputs = stream(llm.engine, [PROMPT], dataclasses.replace(params, max_tokens=n))
+    output = outputs[ids[0]]
+    assert output.text.endswith("\ufffd") and output.text == llm.engine.tokenizer.decode(output.token_ids)
+    assert_stream_matches(deltas[ids[0]], output)
+
+
+# Catches: an aborted request's text without its held-back end (the detokenizer not finished on abort).
+def test_an_aborted_request_has_its_whole_text(llm):
+    params, n = ending_inside_a_character(llm)
+    engine = llm.engine
+    request_id = engine.add_request(PROMPT, params)
+    seen = []
+    while len(seen) < n:
+        seen += [d for d in engine.step().deltas if d.request_id == request_id]
+    aborted = engine.abort_request(request_id)
+    assert len(aborted.token_ids) == n
+    assert aborted.text == engine.tokenizer.decode(aborted.token_ids) != "".join(d.text for d in seen)
+    assert engine.step().outputs == [aborted]
+    assert_blocks_back(llm)
+
+
+def plain_stop_deltas(tokenizer, token_ids: list[int], stop: list[str]) -> tuple[list[str], str]:
+    """The plain formulation of streaming with stop strings, the reference for Detokenizer: after
+    each token, cut the text before the stop string that starts first in it (none was there before);
+    otherwise hold back its longest end that is the beginning of a stop string."""
+    decoder, text, num_sent, deltas = DecodeStream(skip_special_tokens=True), "", 0, []
+    for token in token_ids:
+        text += decoder.step(tokenizer.backend_tokenizer, token) or ""
+        starts = [text.find(s) for s in stop if s in text]
+        if starts:
+            text = text[:min(starts)]
+            return deltas + [text[num_sent:]], text
+        held = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        deltas.append(text[num_sent:len(text) - held])
+        num_sent = len(text) - held
+    return deltas, text
+
+
+# Catches: any difference from the plain formulation (an automaton state not advanced over every new
+# character, a wrong fallback table, matches in list order, a stop string missed across tokens), on
+# random texts and stop strings taken from them: some whole, some beginnings only, some that repeat.
+def test_detokenizer_stops_and_holds_back_as_the_plain_formulation(llm):
+    tokenizer, rng = llm.engine.tokenizer, random.Random(0)
+    short = [i for i in range(3, len(tokenizer)) if len(tokenizer.decode([i])) <= 3]  # many tokens per stop string
+    num_stopped = 0
+    for case in range(300):
+        pool = rng.sample(short, rng.choice([2, 3, 100]))  # few tokens: texts that repeat themselves
+        token_ids = [rng.choice(pool) for _ in range(40)]
+        text = tokenizer.decode(token_ids)
+        stop = []
+        for _ in range(rng.randrange(1, 4)):
+            start = rng.randrange(len(text))
+            piece = text[start:start + rng.randrange(1, 12)]
+            stop.append(piece + rng.choice(["", "", "\x00", piece]))  # \x00 never comes: a beginning only
+        detokenizer, deltas = Detokenizer(tokenizer, tuple(stop)), []
+        for token in token_ids:
+            stopped = detokenizer.add(token)
+            deltas.append(detokenizer.take_delta(finished=stopped))
+            if stopped:
+                break
+        expected_deltas, expected_text = plain_stop_deltas(tokenizer, token_ids, stop)
+        assert (deltas, detokenizer.text) == (expected_deltas, expected_text), (case, stop)
+        num_stopped += detokenizer.stopped
+    assert 100 < num_stopped < 290  # both kinds of case were tested
+
+
+# Catches: a long beginning of a long stop string streamed instead of held back (the automaton's state
+# capped, or reset between tokens).
+def test_a_long_stop_string_holds_back_all_it_may_begin(llm):
+    tokenizer = llm.engine.tokenizer
+    long_stop = "a" * 20_000 + "b"
+    token_ids = tokenizer.encode("a" * 3000, add_special_tokens=False)
+    detokenizer = Detokenizer(tokenizer, (long_stop,))
+    for token in token_ids:
+        assert not detokenizer.add(token)
+        assert detokenizer.take_delta(finished=False) == ""  # all of it may begin the stop string
+    assert detokenizer.matched == [3000]
 
 
 # Catches: a model without tokenizer crashing the stream instead of streaming token ids only.

@@ -17,10 +17,10 @@ import torch.distributed as dist
 import conftest
 from conftest import greedy
 from nanoserve import LLM
-from nanoserve.models.llama import load_model
+from nanoserve.models.loader import load_model, read_config
 from nanoserve.config import Config
-from nanoserve.parallel import Shard, Workers, check_tensor_parallel
-from nanoserve.models.llama import read_config
+from nanoserve.distributed import Shard, check_tensor_parallel
+from nanoserve.parallel import Workers
 from test_engine import MAX_TOKENS, PROMPTS
 
 # Chunked prefill (8 tokens a step), preemption (18 blocks of 4 for 6 requests) and prefix-cache
@@ -255,6 +255,16 @@ def test_interpreter_exit_stops_the_workers(tiny_models):
     while children_alive(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not children_alive(pids)
+
+
+def test_a_script_without_a_main_guard_is_told_why_its_worker_died(tiny_models, tmp_path):
+    """A spawned worker imports the script again; unguarded, it fails at start-up. The error must
+    say so: a bare "worker 1 died (exit code 1)" leaves the user guessing."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from nanoserve import LLM\nLLM({tiny_models['gqa']!r}, tensor_parallel_size=2)\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "worker 1 died (exit code 1)" in result.stderr and 'if __name__ == "__main__":' in result.stderr
 
 
 @pytest.mark.gpu

@@ -1,4 +1,6 @@
-"""Model implementations. nanoserve runs one family, Llama; `load_model` builds it from a checkpoint."""
-from nanoserve.models.llama import LlamaForCausalLM, load_model
+"""Model implementations. nanoserve runs one family, Llama (llama.py); `load_model` (loader.py) builds
+it from a Hugging Face checkpoint."""
+from nanoserve.models.llama import LlamaForCausalLM
+from nanoserve.models.loader import load_model
 
 __all__ = ["LlamaForCausalLM", "load_model"]

@@ -1,0 +1,59 @@
+"""What this machine runs on: the device, the dtype, and how much of the device's memory is free.
+Decided once at start-up from the Config and the machine (see config.py for every derived value)."""
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+
+import psutil
+import torch
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """Config's device -> torch.device. None picks CUDA where there is one, else the CPU; "mps"
+    (Apple GPUs) runs the torch attention backend. A device this machine lacks is a ValueError."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device {name!r} is not a device name such as 'cpu', 'cuda', 'cuda:1' or 'mps'") from None
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not available.get(device.type, False):
+        raise ValueError(f"device {name!r} is not available on this machine (supported: cpu, cuda, mps)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, model: str | None = None,
+                  cpuinfo: str = "/proc/cpuinfo") -> torch.dtype:
+    """Config's dtype name -> torch dtype. "auto" follows the checkpoint, as transformers and vLLM do:
+    the `dtype` (or older `torch_dtype`) in `model`'s config.json, float32 where it names none; on
+    CUDA float32 becomes bfloat16, which flash-attn needs. bfloat16 runs on any CPU, but without
+    native bf16 matmuls (x86 AVX512-BF16 or AMX, Arm BF16: flags in `cpuinfo`) it is slow: a warning says so."""
+    if name == "auto":
+        config_file = Path(model or "", "config.json")
+        saved = json.loads(config_file.read_text()) if model and config_file.is_file() else {}
+        name = saved.get("dtype") or saved.get("torch_dtype")
+        dtype = getattr(torch, name) if name in ("float32", "bfloat16", "float16") else torch.float32
+        if device.type == "cuda" and dtype == torch.float32:
+            dtype = torch.bfloat16
+    else:
+        dtype = getattr(torch, name)
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        flags = Path(cpuinfo).read_text() if Path(cpuinfo).is_file() else ""
+        if not re.search(r"\b(avx512_bf16|amx_bf16|bf16)\b", flags):
+            warnings.warn("this CPU has no native bfloat16 matmuls: bfloat16 will be slow; float32 is faster here")
+    return dtype
+
+
+def free_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of the device's memory; on a CPU, or Apple's unified memory, the RAM
+    available to a new allocation (psutil: the same on Linux, macOS and Windows)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)
+    memory = psutil.virtual_memory()
+    return memory.available, memory.total

@@ -1,0 +1,68 @@
+"""Rotary position embedding (RoPE): each pair of dims of q and k is rotated by an angle proportional
+to the token's position, so q . k depends only on how far apart the two tokens are.
+
+Hugging Face's "rotate_half" layout: dim j pairs with dim j + D/2. The angles come from the
+checkpoint's `rope_parameters` (config.json): rope_type "default", or "llama3" (Llama 3.1's
+long-context scaling). Angles are computed in float32 from each token's own position, every step.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def compute_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
+    """One rotation frequency per pair of dims, `[head_dim // 2]`, for rope_type default or llama3."""
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"unsupported rope_type {rope_type!r}: nanoserve implements 'default' and 'llama3'")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1.0 is not supported")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** exponents)  # [head_dim // 2]
+    if rope_type == "default":
+        return inv_freq
+    return scale_llama3(inv_freq, params)
+
+
+def scale_llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.1's long-context RoPE: slow down low frequencies by `factor`, keep high ones.
+
+    Wavelengths shorter than `original_max_position_embeddings / high_freq_factor` (local detail)
+    are kept; those longer than `original / low_freq_factor` (position over the whole context) are
+    stretched by `factor`, so the longer context maps onto angles seen in training; in between
+    the two are blended linearly in `original / wavelength`.
+    """
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    original = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    # smooth is 1 at the high-frequency edge (keep) and 0 at the low-frequency edge (scale)
+    smooth = ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of each token's rotation angles, from its position, every step: N x D/2 products,
+    cheaper than a table for all max_position_embeddings positions (131k for Llama 3.1)."""
+
+    def __init__(self, head_dim: int, rope_parameters: dict):
+        super().__init__()
+        # Built on CPU explicitly (the model is built on the meta device, see models/loader.py) and
+        # kept float32: angles at large positions need the precision.
+        self.register_buffer("inv_freq", compute_inv_freq(rope_parameters, head_dim), persistent=False)  # [D/2]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq  # [N, D/2]
+        # HF's "rotate_half" layout: dim j pairs with dim j + D/2, so both halves share a frequency.
+        freqs = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [N, 1, D]: broadcast over heads
+        # cast like HF does, so q * cos runs in the model's dtype
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (j, j + D/2) pair of `x` `[N, heads, D]` by its token's angle (cos, sin `[N, 1, D]`)."""
+    x1, x2 = x.chunk(2, dim=-1)  # [N, heads, D/2] each
+    rotated = torch.cat((-x2, x1), dim=-1)  # [N, heads, D]
+    return x * cos + rotated * sin

@@ -1,0 +1,93 @@
+"""What the engine hands back: a finished request's `RequestOutput`, a step's `RequestDelta`s for
+streaming, and the `StepResult` that carries both (plus the step's `Batch`, for tracing).
+
+Invariant: a request's deltas concatenate to its RequestOutput's token_ids and text; its last
+delta carries the finish_reason (an aborted request's output has none before it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanoserve.batch import Batch
+from nanoserve.sampler import Logprob
+from nanoserve.sequence import Sequence
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt (`SamplingParams.n` of them make a RequestOutput's `outputs`)."""
+    index: int                   # which of the n completions
+    text: str | None             # the completion decoded, when the model has a tokenizer
+    token_ids: list[int]
+    finish_reason: str           # "stop" | "length" | "abort"
+    logprobs: list[dict[int, Logprob]] | None = None  # per token, with SamplingParams.logprobs
+
+
+@dataclass
+class RequestOutput:
+    """A finished (or aborted) request, as vLLM's: its prompt and its completions (`outputs`)."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int       # prompt tokens served from the prefix cache
+    ttft: float | None           # seconds from arrival to the first output token; None if none came
+    latency: float               # seconds from arrival to finish
+    # With SamplingParams.prompt_logprobs: per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    # The first (with n=1, the only) completion's text, token ids and finish reason.
+    text = property(lambda self: self.outputs[0].text)
+    token_ids = property(lambda self: self.outputs[0].token_ids)
+    finish_reason = property(lambda self: self.outputs[0].finish_reason)
+
+
+@dataclass
+class RequestDelta:
+    """What one request produced in one step, for streaming."""
+    request_id: str
+    token_ids: list[int]         # the token sampled this step
+    text: str | None             # its new text; may be "" (held back), None without a tokenizer
+    finish_reason: str | None    # None until the request's last delta
+    logprobs: dict[int, Logprob] | None = None  # the token's, with SamplingParams.logprobs
+    # With SamplingParams.prompt_logprobs, on the request's first delta (as vLLM streams them): a server echoing
+    # the prompt with its logprobs sends them before the first token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclass
+class StepResult:
+    batch: Batch | None                  # the flat batch the model ran (None if nothing ran)
+    scheduled: list[tuple[str, int]]     # (request_id, num_tokens) in batch order
+    decode_ids: list[str]                # the requests that decoded (one token past the prompt);
+                                         # the others ran a prefill chunk
+    outputs: list[RequestOutput]         # requests that finished in this step, or were aborted since the last
+    deltas: list[RequestDelta]           # one per request that sampled a token, in batch order
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return len(self.decode_ids)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return 0 if self.batch is None else self.batch.input_ids.numel() - len(self.decode_ids)
+
+
+def request_output(seq: Sequence) -> RequestOutput:
+    """A finished (or aborted) request's output."""
+    text = seq.detokenizer.text if seq.detokenizer else None
+    ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
+    logprobs = seq.logprobs if seq.params.logprobs is not None else None
+    prompt_logprobs = seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None
+    completion = CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason, logprobs)
+    return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], [completion],
+                         seq.num_cached_tokens or 0, ttft, seq.finish_time - seq.arrival_time, prompt_logprobs)
+
+
+def request_delta(seq: Sequence) -> RequestDelta:
+    """seq's token of this step and the text it settled (see detokenizer.py)."""
+    text = None if seq.detokenizer is None else seq.detokenizer.take_delta(seq.is_finished)
+    logprobs = seq.logprobs[-1] if seq.params.logprobs is not None else None
+    first = seq.num_tokens == seq.num_prompt_tokens + 1
+    prompt_logprobs = seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None
+    return RequestDelta(seq.request_id, [seq.token_ids[-1]], text, seq.finish_reason, logprobs, prompt_logprobs)

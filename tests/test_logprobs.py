@@ -1,0 +1,112 @@
+"""Logprobs and n, against transformers: the prompt's and the output's logprobs are log_softmax of
+transformers' logits on the same weights (float32), whatever chunking, caching or preemption did;
+n completions of one prompt are the n seeded requests seed, seed + 1, ..."""
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from conftest import greedy
+from nanoserve import LLM, SamplingParams
+from nanoserve.sampler import MAX_LOGPROBS, InvalidRequest
+
+PROMPTS = [[1, 17, 42, 9, 200, 31, 77, 5, 64, 12, 90, 150, 3], [1, 17, 42, 9, 200, 31, 77, 5, 9], [1, 250]]
+TOP = 3
+
+
+def hf_logprobs(path: str, token_ids: list[int]) -> torch.Tensor:
+    """[len, vocab]: row p is the log-distribution transformers gives for the token after position p."""
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
+
+
+def check_position(found: dict, row: torch.Tensor, token: int, num_top: int) -> None:
+    """found = {token: Logprob, top...}: the token's logprob and rank, then the num_top most likely in order."""
+    assert list(found)[0] == token
+    assert found[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+    assert found[token].rank == 1 + (row > row[token]).sum().item()
+    top = row.topk(num_top)
+    others = {t: lp for t, lp in found.items() if t != token or found[t].rank <= num_top}
+    assert sorted(others, key=lambda t: found[t].rank) == top.indices.tolist()
+    assert [found[t].logprob for t in top.indices.tolist()] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("setup", [dict(block_size=4), dict(block_size=4, max_num_batched_tokens=5),
+                                   dict(block_size=4, num_kvcache_blocks=8, max_model_len=24)])
+def test_prompt_and_output_logprobs_equal_transformers(tiny_models, setup):
+    """Catches prompt logprobs shifted by one position, rows of a later prefill chunk mapped to the wrong
+    tokens, a chunk's rows skipped, rows recollected after a preemption (duplicates), a second request's
+    prompt logprobs cut short by a prefix-cache hit, and output logprobs taken after temperature."""
+    path = tiny_models["gqa"]
+    llm = LLM(path, **setup)
+    params = [SamplingParams(temperature=0, max_tokens=10, logprobs=TOP, prompt_logprobs=TOP),
+              SamplingParams(temperature=1.7, seed=3, max_tokens=10, logprobs=TOP, prompt_logprobs=TOP),
+              SamplingParams(temperature=0, max_tokens=4)]  # asks for nothing: gets nothing
+    prompts = [PROMPTS[1], PROMPTS[1], PROMPTS[2]]  # the repeat would hit the prefix cache
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if "num_kvcache_blocks" in setup:
+        assert llm.engine.scheduler.num_preemptions > 0
+    for output in outputs[:2]:
+        rows = hf_logprobs(path, output.prompt_token_ids + output.token_ids)
+        assert output.num_cached_tokens == 0 and len(output.prompt_logprobs) == len(output.prompt_token_ids)
+        assert output.prompt_logprobs[0] is None
+        for p, found in enumerate(output.prompt_logprobs[1:], start=1):
+            check_position(found, rows[p - 1], output.prompt_token_ids[p], TOP)
+        assert len(output.outputs[0].logprobs) == len(output.token_ids)
+        for i, found in enumerate(output.outputs[0].logprobs):  # raw logits: not sharpened by temperature 1.7
+            check_position(found, rows[len(output.prompt_token_ids) + i - 1], output.token_ids[i], TOP)
+    assert outputs[2].prompt_logprobs is None and outputs[2].outputs[0].logprobs is None
+
+
+def test_logprobs_zero_is_the_token_alone_and_greedy_tokens_rank_first(tiny_models):
+    llm = LLM(tiny_models["tied"], block_size=4)
+    output = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=5, logprobs=0), use_tqdm=False)[0]
+    assert [list(found) for found in output.outputs[0].logprobs] == [[t] for t in output.token_ids]
+    assert all(found[t].rank == 1 for found, t in zip(output.outputs[0].logprobs, output.token_ids))
+
+
+def test_streamed_deltas_carry_each_tokens_logprobs(tiny_models):
+    """Catches a delta's logprobs taken from another token (the first, or the previous step's); the prompt
+    logprobs missing from the first delta, or sent again with later ones."""
+    engine = LLM(tiny_models["gqa"], block_size=4, max_num_batched_tokens=4).engine  # a prefill in 3 chunks
+    engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=5, logprobs=2, prompt_logprobs=1), "a")
+    deltas, outputs = [], []
+    while engine.has_unfinished_requests():
+        result = engine.step()
+        deltas += result.deltas
+        outputs += result.outputs
+    assert [d.logprobs for d in deltas] == outputs[0].outputs[0].logprobs
+    assert [list(d.logprobs)[0] for d in deltas] == outputs[0].token_ids
+    assert deltas[0].prompt_logprobs == outputs[0].prompt_logprobs and len(outputs[0].prompt_logprobs) == 9
+    assert [d.prompt_logprobs for d in deltas[1:]] == [None] * 4
+
+
+def test_n_completions_are_the_seeded_requests_seed_plus_index(tiny_models):
+    """n=3, seed 7: completion i is the request with seed 7 + i, sampled alone (vLLM's rule); catches
+    children sharing one seed (identical completions), indices out of order, outputs of another prompt."""
+    path = tiny_models["gqa"]
+    llm = LLM(path, block_size=4)
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=8, n=3)
+    both = llm.generate([PROMPTS[0], PROMPTS[2]], [params, greedy(5)], use_tqdm=False)
+    alone = [llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, seed=7 + i, max_tokens=8), use_tqdm=False)[0]
+             for i in range(3)]
+    assert [c.index for c in both[0].outputs] == [0, 1, 2]
+    assert [c.token_ids for c in both[0].outputs] == [o.token_ids for o in alone]
+    assert len({tuple(c.token_ids) for c in both[0].outputs}) == 3
+    assert len(both[1].outputs) == 1 and both[1].prompt_token_ids == PROMPTS[2]
+    assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.model_runner.num_blocks - 1
+
+
+@pytest.mark.parametrize("field, value", [("logprobs", MAX_LOGPROBS + 1), ("prompt_logprobs", -1), ("n", 0),
+                                          ("logprobs", 2.0), ("n", True)])
+def test_bad_logprobs_and_n_are_refused_naming_the_field(field, value):
+    with pytest.raises(InvalidRequest, match=field) as error:
+        SamplingParams(**{field: value})
+    assert error.value.param == field
+
+
+def test_the_engine_serves_one_completion_per_request(tiny_models):
+    engine = LLM(tiny_models["gqa"], block_size=4).engine
+    with pytest.raises(InvalidRequest, match="n=2") as error:
+        engine.add_request(PROMPTS[0], SamplingParams(n=2))
+    assert error.value.param == "n" and not engine.has_unfinished_requests()
