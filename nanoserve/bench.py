@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 ENGINES = ("nanoserve", "static", "hf-generate", "hf-cb")
-# The warm-up prompt: ids below 3, which workloads never draw, so that it leaves nothing in the
-# prefix cache that a workload's prompt could hit.
-WARM_UP = [1, 2] * 16
+# The warm-up prompt: ids below 3, which workloads never draw, and shorter than any block, so that
+# it leaves nothing in the prefix cache that a workload's prompt could hit.
+WARM_UP = [1, 2]
 # The named workloads' shapes (`--workload`); "random" takes --num-requests, --input-len, --output-len.
 WORKLOADS = {
     # nano-vllm's bench.py: 256 requests, prompt and output lengths uniform in 100-1024, temperature

@@ -178,10 +178,11 @@ class BlockManager:
             where = f"block {block.block_id} with ref_cnt {block.ref_cnt}, in {len(held)} block tables,"
             assert block.ref_cnt == len(held), f"{where} has a wrong ref_cnt"
             assert (block.ref_cnt == 0) == (block.block_id in self.free_queue), f"{where} must be free iff unused"
-            # A shared or cached block is read-only: full, and computed by every request that holds it.
-            assert (len(held) < 2 and block.hash is None) or all((i + 1) * self.block_size <= computed[id(seq)]
-                                                                 for seq, i in held), \
-                f"{where} is shared or cached but not full and computed in {[seq for seq, _ in held]}"
+            # Only a cache hit shares a block. A cached block is read-only: full, and computed (by the end
+            # of this step) by every request that holds it; the first of them wrote it.
+            assert len(held) < 2 or block.hash is not None, f"{where} is shared but not cached: nobody wrote it"
+            assert block.hash is None or all((i + 1) * self.block_size <= computed[id(seq)] for seq, i in held), \
+                f"{where} is cached but not full and computed in {[seq for seq, _ in held]}"
         for block_hash, block_id in self.cached_blocks.items():
             block = self.blocks[block_id]
             assert block.hash == block_hash, f"the prefix cache maps {block_hash.hex()} to block {block_id}"

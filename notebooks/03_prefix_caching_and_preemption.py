@@ -148,22 +148,27 @@ assert [o.num_cached_tokens for o in cached] == [0, 16, 16, 16]
 assert uncached_prefill - cached_prefill == num_cached == 48
 
 # %% [markdown]
-# Had the four requests arrived in the same step, none would have hit: blocks enter the cache only
-# once their KV is computed, at the end of the step that computes them.
+# Had the four requests arrived in the same step, the three later ones would hit just the same: a
+# block enters the cache when the step that fills it is scheduled, and every layer stores the
+# whole step's K and V before any request attends, so a request may read, in the same step, the
+# blocks that one admitted before it fills.
 
 # %%
-together, _ = serve(PROMPTS, arrive_first=False)
+together, together_prefill = serve(PROMPTS, arrive_first=False)
 print("cached tokens per request, all arriving together:", [o.num_cached_tokens for o in together])
-assert sum(o.num_cached_tokens for o in together) == 0
+assert [o.num_cached_tokens for o in together] == [o.num_cached_tokens for o in cached]
+assert [o.token_ids for o in together] == [o.token_ids for o in cached] and together_prefill == cached_prefill
 
 # %% [markdown]
 # ## Part 2: a cache too small for the load
 #
-# Four requests of 6 prompt tokens, each generating 10: each grows to 15 tokens of KV, 4 blocks of
-# 4 slots, 16 blocks in all. The cache has 8 (`num_kvcache_blocks=9`, block 0 being the null block).
-# All four are admitted, since their prompts fit; when the oldest needs a new block and none is free,
-# the scheduler preempts the newest running request: frees its blocks and puts it back at the front
-# of the waiting queue, its tokens kept. Step by step:
+# Four requests of 6 prompt tokens, each generating 20: each grows to 25 tokens of KV, 7 blocks of
+# 4 slots, 28 blocks in all. The cache has 8 (`num_kvcache_blocks=9`, block 0 being the null block).
+# Only two are admitted: admission leaves free the blocks that the running requests need for their
+# next 2 blocks' worth of tokens (`Scheduler.blocks_to_keep_free`), so requests 2 and 3 wait rather
+# than be preempted a few steps later. Requests 0 and 1 then outgrow even that: when the oldest
+# needs a new block and none is free, the scheduler preempts the newest running request: frees its
+# blocks and puts it back at the front of the waiting queue, its tokens kept. Step by step:
 
 # %%
 PROMPTS2 = [[rng.randrange(3, vocab_size) for _ in range(6)] for _ in range(4)]
@@ -171,7 +176,7 @@ PROMPTS2 = [[rng.randrange(3, vocab_size) for _ in range(6)] for _ in range(4)]
 def serve_all(num_kvcache_blocks: int, show: bool) -> tuple[object, dict]:
     engine = LLM(MODEL, block_size=4, num_kvcache_blocks=num_kvcache_blocks, max_model_len=32).engine
     for prompt in PROMPTS2:
-        engine.add_request(prompt, greedy(10))
+        engine.add_request(prompt, greedy(20))
     scheduler, outputs, step = engine.scheduler, {}, 0
     while engine.has_unfinished_requests():
         result = engine.step()
@@ -183,33 +188,35 @@ def serve_all(num_kvcache_blocks: int, show: bool) -> tuple[object, dict]:
             print(f"step {step:2}  ran {ran:<16} running {[s.request_id for s in scheduler.running]!s:<21}"
                   f"waiting {[s.request_id for s in scheduler.waiting]!s:<11}"
                   f"free blocks {scheduler.block_manager.num_free_blocks}  preemptions {scheduler.num_preemptions}")
-        if show and step == 4:
-            plot_block_map(scheduler.block_manager, engine).set_title("step 4: requests 2 and 3 preempted")
+        if show and step == 12:
+            plot_block_map(scheduler.block_manager, engine).set_title("step 12: request 1 preempted")
     return engine, outputs
 
 history = []  # (scheduled, num_preemptions) of every step
 small, small_outputs = serve_all(num_kvcache_blocks=9, show=True)
 plt.show()
-assert history[3] == ([("0", 1), ("1", 1)], 2)  # step 4: requests 3 and 2 preempted
-assert ([("2", 9), ("3", 9)], 2) in history      # their recompute: prompt + 3 tokens generated
+assert history[0] == ([("0", 6), ("1", 6)], 0)  # step 1: only two admitted, 2 and 3 wait
+assert history[11] == ([("0", 1)], 1)            # step 12: request 1 preempted
+assert ([("1", 13)], 1) in history               # its recompute: 6 + 11 tokens, less its own cached block
 
 # %% [markdown]
-# In step 4 requests 0 and 1 each need a third block. None is free, so request 3 (the newest) is
-# preempted, then request 2: both go back to `waiting`, their blocks to the free queue. Requests 0
-# and 1 run to the end; then 2 and 3 come back, each recomputing its prompt and the tokens it had
-# already generated in one prefill (`2:9`, `3:9`), and carry on decoding.
+# In step 12 requests 0 and 1 each need a sixth block. None is free, so request 1 (the newest) is
+# preempted: it goes back to the front of `waiting`, its blocks to the free queue. Request 0 runs to
+# the end; then request 1 comes back, recomputing its prompt and the 11 tokens it had generated in
+# one prefill, and carries on decoding; 2 and 3 come last.
 #
-# The picture shows one more thing: blocks 5 and 6, request 2's full blocks, are free but still
-# cached. Had they survived until request 2 came back, its recompute would have been a prefix-cache
-# hit; here requests 0 and 1 need them in step 8, which evicts them.
+# The picture shows one more thing: request 1's full blocks are free but still cached. Those that
+# survive until it comes back are found again (`1:13` runs 17 tokens less one block of 4); the
+# others were handed to request 0 as it grew, which evicted them. Re-finding its own blocks is no
+# prefix-cache hit: `num_cached_tokens` counts only a request's first admission.
 #
 # Nothing is lost: the outputs equal those of a run with room for everyone.
 
 # %%
 roomy, roomy_outputs = serve_all(num_kvcache_blocks=64, show=False)
-assert small_outputs["2"].num_cached_tokens == 0  # blocks 5 and 6 were evicted before it came back
+assert small_outputs["1"].num_cached_tokens == 0  # its own blocks, re-found, are no prefix-cache hit
 assert small.scheduler.num_preemptions > 0 and roomy.scheduler.num_preemptions == 0
-assert all(len(o.token_ids) == 10 for o in small_outputs.values())
+assert all(len(o.token_ids) == 20 for o in small_outputs.values())
 assert {r: o.token_ids for r, o in small_outputs.items()} == {r: o.token_ids for r, o in roomy_outputs.items()}
 assert small.scheduler.block_manager.num_free_blocks == 8
 print(f"{small.scheduler.num_preemptions} preemptions; all {len(small_outputs)} requests finished; "

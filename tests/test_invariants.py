@@ -18,7 +18,7 @@ from hypothesis import example, given, settings, strategies as st
 
 from conftest import greedy, hf_greedy, reference
 from nanoserve import LLM, SamplingParams
-from nanoserve.batch import build_batch
+from nanoserve.batch import build_batch, prompt_logprob_positions
 from nanoserve.block_manager import Block, BlockManager
 from nanoserve.config import Config
 from nanoserve.sampler import SamplerOutput
@@ -36,6 +36,7 @@ class Request:
     abort_step: int | None  # aborted at this step if still unfinished then
     stop_token_ids: list[int]
     ignore_eos: bool
+    prompt_logprobs: bool = False  # such a request never takes a prefix-cache hit, but others may share its blocks
 
 
 @dataclass
@@ -71,7 +72,7 @@ def workloads(draw: st.DrawFn) -> Workload:
                                 arrival_step=draw(st.integers(0, 10)),
                                 abort_step=draw(st.none() | st.none() | st.integers(0, 40)),
                                 stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=1)),
-                                ignore_eos=draw(st.booleans())))
+                                ignore_eos=draw(st.booleans()), prompt_logprobs=draw(st.booleans())))
     eos_token_ids = draw(st.sets(st.integers(0, VOCAB - 1), max_size=1))
     return Workload(config, num_blocks, max_model_len, requests, eos_token_ids)
 
@@ -101,14 +102,14 @@ def run_fake_model(scheduled: list[ScheduledSeq], kv_cache: dict[int, int], bloc
     assert batch.positions.tolist() == positions and batch.slot_mapping.tolist() == slots
     new_kv = [kv for seq, n in scheduled for kv in kv_of(seq.token_ids)[seq.num_computed_tokens:][:n]]
     kv_cache.update(zip(slots, new_kv))
-    sampled = []
+    sampled, num_prompt_logprobs = [], sum(len(prompt_logprob_positions(seq, n)) for seq, n in scheduled)
     for (seq, num_new), table, seq_len in zip(scheduled, batch.block_tables.tolist(), batch.seq_lens.tolist()):
         context = [kv_cache.get(table[p // block_size] * block_size + p % block_size) for p in range(seq_len)]
         assert None not in context, f"{seq} reads slot {table[context.index(None) // block_size]} before anyone wrote it"
         assert context == kv_of(seq.token_ids[:seq_len]), f"{seq} reads KV that is not its own"
         if seq.num_computed_tokens + num_new == seq.num_tokens:
             sampled.append(next_token(context))
-    return SamplerOutput(sampled, [None] * len(sampled), [])
+    return SamplerOutput(sampled, [None] * len(sampled), [{}] * num_prompt_logprobs)
 
 
 def expected_output(w: Workload, r: Request) -> tuple[str, list[int]]:
@@ -153,7 +154,8 @@ SAME_STEP_MID_BLOCK = Workload(
 def test_random_workloads_keep_every_invariant(w: Workload):
     sched = Scheduler(w.config, w.num_blocks, w.max_model_len, eos_token_ids=w.eos_token_ids)
     seqs = [Sequence(str(i), None, r.prompt, SamplingParams(temperature=0, max_tokens=r.max_tokens,
-                                                            stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos))
+                                                            stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos,
+                                                            prompt_logprobs=0 if r.prompt_logprobs else None))
             for i, r in enumerate(w.requests)]
     kv_cache: dict[int, int] = {}
     block_manager, block_size = sched.block_manager, w.config.block_size
@@ -194,6 +196,8 @@ def test_random_workloads_keep_every_invariant(w: Workload):
     for seq, r in zip(seqs, w.requests):
         assert seq.status is SequenceStatus.FINISHED and not seq.block_table
         assert (seq.num_cached_tokens or 0) <= seq.num_prompt_tokens
+        if r.prompt_logprobs:  # every prompt token's row computed, none skipped by a hit, none twice
+            assert not seq.num_cached_tokens and len(seq.prompt_logprobs) == seq.num_prompt_tokens or seq.finish_reason == "abort"
         if seq.finish_reason == "abort":
             assert r.abort_step is not None
             assert seq.output_token_ids == expected_output(w, r)[1][:len(seq.output_token_ids)]
