@@ -326,3 +326,26 @@ def test_the_writer_aborted_or_preempted_leaves_its_readers_their_kv(tiny_models
     outputs = serve_shared(small, range(5))
     assert small.scheduler.num_preemptions > 0
     assert [outputs[str(i)].token_ids for i in range(5)] == expected
+
+
+def test_a_prompt_logprobs_request_takes_no_hit_but_its_blocks_serve_the_same_step(tiny_models):
+    """Prompt logprobs need every prompt token's logits, so such a request never takes a hit, even
+    on blocks filled earlier in its own step; the blocks it fills serve the requests admitted after
+    it. Catches: a hit that skips prompt-logprob rows, its blocks kept out of the cache, or rows
+    that change with what shares the step."""
+    path = tiny_models["gqa"]
+    expected = reference(path, SHARED[:3], SHARED_MAX_TOKENS[:3])
+    with_rows = SamplingParams(temperature=0, max_tokens=SHARED_MAX_TOKENS[1], prompt_logprobs=1)
+    alone = LLM(path, block_size=4).generate([SHARED[1]], with_rows, use_tqdm=False)[0].prompt_logprobs
+    for order, cached in (([1, 0, 2], [0, 16, 16]), ([0, 1, 2], [0, 0, 16])):
+        engine = LLM(path, block_size=4).engine
+        for i in order:
+            engine.add_request(SHARED[i], with_rows if i == 1 else greedy(SHARED_MAX_TOKENS[i]), str(i))
+        outputs = serve_shared(engine, [])
+        assert [outputs[str(i)].token_ids for i in range(3)] == expected
+        assert [outputs[str(i)].num_cached_tokens for i in order] == cached
+        rows = outputs["1"].prompt_logprobs
+        assert len(rows) == len(alone) == len(SHARED[1]) and rows[0] is alone[0] is None
+        for got, want in zip(rows[1:], alone[1:]):
+            assert got.keys() == want.keys()
+            assert all(abs(got[t].logprob - want[t].logprob) < 1e-4 for t in got)
