@@ -128,7 +128,8 @@ def run_nanoserve(path: str, workload: list[Request], scheduling: str, **config)
     block_size, total = engine.config.block_size, engine.model_runner.num_blocks - 1
     start = time.perf_counter()
     for r in workload:
-        engine.add_request(r.prompt, SamplingParams(temperature=r.temperature, max_tokens=r.output_len, ignore_eos=True))
+        engine.add_request(r.prompt, SamplingParams(temperature=r.temperature, max_tokens=r.output_len,
+                                                    ignore_eos=True))
     outputs, peak_used, peak_alloc, steps, prefill_tokens = [], 0, 0, [], 0
     while engine.has_unfinished_requests():
         step_start = time.perf_counter()
@@ -148,7 +149,8 @@ def run_nanoserve(path: str, workload: list[Request], scheduling: str, **config)
                   sum(len(o.token_ids) for o in outputs), sum(len(r.prompt) for r in workload),
                   [o.ttft for o in outputs], [(o.latency - o.ttft) / max(1, len(o.token_ids) - 1) for o in outputs],
                   peak_used, peak_alloc, total * block_size,
-                  {"steps": len(steps), "prefill_tokens": prefill_tokens, "computed_tokens": sum(map(sum, (s.query_lens for s in steps))),
+                  {"steps": len(steps), "prefill_tokens": prefill_tokens,
+                   "computed_tokens": sum(sum(s.query_lens) for s in steps),
                    "cached_tokens": sum(o.num_cached_tokens for o in outputs),
                    "preemptions": engine.stats()["num_preemptions"]}, steps)
 
@@ -309,7 +311,8 @@ def report(results: list[Result], machine: Machine, shape: ModelShape) -> str:
         computed = f"{r.extra['computed_tokens']} ({r.extra['preemptions']})" if "preemptions" in r.extra else "n/a"
         ratio = f"{ours.output_tok_s / r.output_tok_s:.2f}x" if ours else "n/a"
         lines.append(f"| {r.engine} | {r.output_tok_s:.0f} | {r.total_tok_s:.0f} | {percentile(r.ttft, 50):.2f} / "
-                     f"{percentile(r.ttft, 99):.2f} | {1000 * statistics.mean(r.tpot):.1f} | {kv} | {computed} | {ratio} |")
+                     f"{percentile(r.ttft, 99):.2f} | {1000 * statistics.mean(r.tpot):.1f} | {kv} | {computed} "
+                     f"| {ratio} |")
     # The roofline is taken over the steps nanoserve (continuous, else static) ran: the same useful work for all
     scheduled = next((r for r in results if r.steps), None)
     if scheduled is None:
@@ -657,7 +660,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-transformers", action="store_true",
                    help="with --llama-cpp: leave out transformers' generate on the same shape")
     p.add_argument("--rates", default="1,2,4,8", help="with --online or --server: request rates (req/s)")
-    p.add_argument("--goodput", nargs="+", type=parse_slo, default=[("ttft", 1000.0), ("tpot", 100.0)], metavar="KEY:MS",
+    p.add_argument("--goodput", nargs="+", type=parse_slo, default=[("ttft", 1000.0), ("tpot", 100.0)],
+                   metavar="KEY:MS",
                    help="with --online: the SLOs a request must meet to count (vLLM's bench serve --goodput): "
                         "ttft, tpot and e2el in milliseconds (default: ttft:1000 tpot:100)")
     p.add_argument("--workload", default="random", choices=("random", "nanovllm", "shared-prefix"),
@@ -689,7 +693,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     sizes = WORKLOADS.get(args.workload, dict(num_requests=48, input_len=span(args.input_len),
                                                output_len=span(args.output_len)))
-    workload = make_workload(vocab_size=vocab, seed=args.seed, **{**sizes, "num_requests": args.num_requests or sizes["num_requests"]})
+    workload = make_workload(vocab_size=vocab, seed=args.seed,
+                             **{**sizes, "num_requests": args.num_requests or sizes["num_requests"]})
     config = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   num_kvcache_blocks=args.kv_cache_tokens // args.block_size + 1,  # + the null block
                   max_model_len=whole_blocks(max(len(r.prompt) + r.output_len for r in workload), args.block_size),

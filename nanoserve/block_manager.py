@@ -95,7 +95,8 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def allocate(self, seq: Sequence, num_tokens: int, cached_prefix: list[int] | None = None, reserve: int = 0) -> bool:
+    def allocate(self, seq: Sequence, num_tokens: int, cached_prefix: list[int] | None = None,
+                 reserve: int = 0) -> bool:
         """Grow seq's block table (append-only) to cover `num_tokens` slots.
 
         `cached_prefix` (from find_cached_prefix, for a request with no blocks yet) is shared
@@ -199,4 +200,5 @@ class BlockManager:
             end = seq.num_computed_tokens + num_new
             assert end <= len(seq.block_table) * self.block_size, f"{seq} writes {num_new} slots past its blocks"
             for block_id in seq.block_table[seq.num_computed_tokens // self.block_size:cdiv(end, self.block_size)]:
-                assert writers.setdefault(block_id, seq) is seq, f"block {block_id} written by {writers[block_id]} and {seq}"
+                writer = writers.setdefault(block_id, seq)
+                assert writer is seq, f"block {block_id} is written by {writer} and {seq}"
