@@ -23,8 +23,11 @@ Invariants:
   k, v before any attention reads them (`Attention.forward`, attention.py), in whatever batch order.
   So "computed" means: its KV is in the cache, or this step stores it before anyone reads it. Every
   holder of a shared or cached block has computed it in that sense; a block is written by one
-  request only. A request freed with blocks it never computed (the step failed) uncaches them.
-- Shared blocks are full, hence read-only: a request only ever writes into its own last blocks.
+  request only. Its writer is never preempted in that step (the scheduler preempts only requests
+  not yet scheduled, and admits no one in a step that preempted). A request freed with blocks it
+  never computed (the step failed, and its requests are aborted) uncaches them.
+- Shared blocks are full, hence read-only once the step that fills them ran: a request only ever
+  writes into its own last blocks.
 `assert_invariants` and `assert_writable` check all of this (tests call them after every step).
 """
 from __future__ import annotations

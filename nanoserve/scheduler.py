@@ -24,8 +24,8 @@ reserved up front (the last sampled token's KV is never needed): the three place
 differs are marked "Static batching, difference N of 3".
 
 Invariants (`assert_invariants` checks them): every accepted request is in exactly one of
-`waiting`, `running`, or finished; waiting requests hold no blocks; a step writes only into blocks
-that the writing request alone holds.
+`waiting`, `running`, or finished; waiting requests hold no blocks; a step writes each block for
+one request only, and others read it only once it is full (block_manager.py).
 """
 from __future__ import annotations
 
@@ -209,7 +209,7 @@ class Scheduler:
 
     def assert_invariants(self, scheduled: list[ScheduledSeq] | None = None) -> None:
         """Check the invariants above and the block manager's; given this step's plan (before
-        `update`), also check that it fits the limits and writes only into unshared blocks."""
+        `update`), also check that it fits the limits and that no block is written by two requests."""
         live = [*self.waiting, *self.running]
         assert len({id(seq) for seq in live}) == len(live), f"a request is queued twice: {live}"
         assert all(s.status is SequenceStatus.WAITING and not s.block_table and s.num_computed_tokens == 0
