@@ -6,9 +6,9 @@ Continuous batching works token by token, not request by request. Each step has 
    that did not fit in earlier steps (chunked prefill). Prefill chunks and decodes mix freely:
    "all requests' current tokens flattened into one batch".
 2. Then waiting requests are admitted first come, first served, while budget, blocks and
-   `max_num_seqs` allow, and while 2 free blocks per running request are left for their next
-   tokens (`blocks_to_keep_free`: admitting into those would only preempt someone a few steps
-   later). A prefix-cache hit counts as already computed, even for blocks that a request admitted
+   `max_num_seqs` allow, and while the free blocks still cover the running requests' next
+   2 * block_size tokens (`blocks_to_keep_free`: admitting into those would only preempt someone a
+   few steps later). A prefix-cache hit counts as already computed, even for blocks that a request admitted
    earlier in this step fills (block_manager.py says why that is safe).
 When blocks run out, a prefill chunk first shrinks to what the free blocks hold; if not even one
 token fits, the newest running request is preempted by recompute: its blocks are freed and it goes
@@ -154,8 +154,8 @@ class Scheduler:
         if self.config.scheduling == "static":
             return 0
         block_size = self.config.block_size
-        return sum(cdiv(min(seq.num_tokens + 2 * block_size, self.max_kv_len(seq)), block_size) - len(seq.block_table)
-                   for seq in self.running)
+        return sum(cdiv(min(seq.num_tokens + 2 * block_size, self.max_kv_len(seq)), block_size)
+                   - len(seq.block_table) for seq in self.running)
 
     def preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop seq's KV and requeue it at the front."""
