@@ -32,7 +32,7 @@ def check_position(found: dict, row: torch.Tensor, token: int, num_top: int) -> 
 
 
 @pytest.mark.parametrize("setup", [dict(block_size=4), dict(block_size=4, max_num_batched_tokens=5),
-                                   dict(block_size=4, num_kvcache_blocks=8, max_model_len=24)])
+                                   dict(block_size=4, num_kvcache_blocks=9, max_model_len=24)])
 def test_prompt_and_output_logprobs_equal_transformers(tiny_models, setup):
     """Catches prompt logprobs shifted by one position, rows of a later prefill chunk mapped to the wrong
     tokens, a chunk's rows skipped, rows recollected after a preemption (duplicates), a second request's
