@@ -50,7 +50,8 @@ def plot_block_map(block_manager: BlockManager, requests: Iterable[Sequence] | L
                 colour, token = "lightgray", block.token_ids[slot]
             ax.add_patch(Rectangle((slot, block.block_id), 1, 1, facecolor=colour, alpha=alpha, edgecolor="black"))
             ax.text(slot + 0.5, block.block_id + 0.5, str(token), ha="center", va="center", fontsize=8)
-        label = "null" if block.block_id == 0 else f"ref_cnt {block.ref_cnt}" + (", shared" if block.ref_cnt > 1 else "")
+        shared = ", shared" if block.ref_cnt > 1 else ""
+        label = "null" if block.block_id == 0 else f"ref_cnt {block.ref_cnt}{shared}"
         ax.text(size + 0.15, block.block_id + 0.5, label, va="center", fontsize=8,
                 fontweight="bold" if block.ref_cnt > 1 else "normal")
     ax.set_xlim(0, size + 3)  # room for the ref_cnt labels
@@ -61,8 +62,8 @@ def plot_block_map(block_manager: BlockManager, requests: Iterable[Sequence] | L
     ax.tick_params(length=0)
     ax.spines[:].set_visible(False)
     handles = [Patch(color=c, label=f"request {rid}") for rid, c in colours.items()]
-    handles += [Patch(facecolor="white", edgecolor="black", label="free"), Patch(color="lightgray", label="free, cached"),
-                Patch(color="dimgray", label="null block")]
+    handles += [Patch(facecolor="white", edgecolor="black", label="free"),
+                Patch(color="lightgray", label="free, cached"), Patch(color="dimgray", label="null block")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     return ax
 
