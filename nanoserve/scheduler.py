@@ -219,7 +219,8 @@ class Scheduler:
         self.block_manager.assert_invariants(live, scheduled or ())
         if scheduled is not None:
             seqs = [seq for seq, _ in scheduled]
-            assert len(set(map(id, seqs))) == len(seqs) and all(s in self.running for s in seqs), f"bad plan {scheduled}"
+            assert len(set(map(id, seqs))) == len(seqs), f"a request planned twice: {scheduled}"
+            assert all(s in self.running for s in seqs), f"a planned request is not running: {scheduled}"
             assert all(n > 0 for _, n in scheduled), f"a request scheduled with no tokens: {scheduled}"
             assert sum(n for _, n in scheduled) <= self.config.max_num_batched_tokens, "token budget exceeded"
             self.block_manager.assert_writable(scheduled)

@@ -14,7 +14,8 @@ import random
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from conftest import greedy, hf_greedy, reference
 from nanoserve import LLM, SamplingParams
@@ -105,7 +106,8 @@ def run_fake_model(scheduled: list[ScheduledSeq], kv_cache: dict[int, int], bloc
     sampled, num_prompt_logprobs = [], sum(len(prompt_logprob_positions(seq, n)) for seq, n in scheduled)
     for (seq, num_new), table, seq_len in zip(scheduled, batch.block_tables.tolist(), batch.seq_lens.tolist()):
         context = [kv_cache.get(table[p // block_size] * block_size + p % block_size) for p in range(seq_len)]
-        assert None not in context, f"{seq} reads slot {table[context.index(None) // block_size]} before anyone wrote it"
+        unwritten = [table[p // block_size] for p, kv in enumerate(context) if kv is None]
+        assert not unwritten, f"{seq} reads blocks {unwritten} before anyone wrote them"
         assert context == kv_of(seq.token_ids[:seq_len]), f"{seq} reads KV that is not its own"
         if seq.num_computed_tokens + num_new == seq.num_tokens:
             sampled.append(next_token(context))
@@ -136,8 +138,8 @@ MID_BLOCK_PREFIX_HIT = Workload(
 # blocks that the others share in the same step.
 SAME_STEP_PREFIX_HIT = Workload(
     Config(model="unused", block_size=4, num_kvcache_blocks=21, max_num_batched_tokens=64, max_num_seqs=4),
-    num_blocks=21, max_model_len=20, requests=[Request([3, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, i], 3, 0, None, [], True)
-                                               for i in range(4)], eos_token_ids=set())
+    num_blocks=21, max_model_len=20, eos_token_ids=set(),
+    requests=[Request([3, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, i], 3, 0, None, [], True) for i in range(4)])
 # Static batching admits past the token budget: the second request is admitted while the first has
 # filled only 1 of the 2 blocks they could share.
 SAME_STEP_MID_BLOCK = Workload(
@@ -197,7 +199,8 @@ def test_random_workloads_keep_every_invariant(w: Workload):
         assert seq.status is SequenceStatus.FINISHED and not seq.block_table
         assert (seq.num_cached_tokens or 0) <= seq.num_prompt_tokens
         if r.prompt_logprobs:  # every prompt token's row computed, none skipped by a hit, none twice
-            assert not seq.num_cached_tokens and len(seq.prompt_logprobs) == seq.num_prompt_tokens or seq.finish_reason == "abort"
+            assert seq.finish_reason == "abort" or (not seq.num_cached_tokens
+                                                    and len(seq.prompt_logprobs) == seq.num_prompt_tokens)
         if seq.finish_reason == "abort":
             assert r.abort_step is not None
             assert seq.output_token_ids == expected_output(w, r)[1][:len(seq.output_token_ids)]
@@ -220,8 +223,8 @@ def test_random_arrivals_and_preemption_match_transformers(tiny_models):
                for _ in range(8)]
     max_tokens = [rng.randrange(1, 17) for _ in prompts]
     expected = hf_greedy(path, prompts, max_tokens)
-    sampled = {i: SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=i, stop_token_ids=[rng.randrange(3, 256)])
-               for i in (1, 4, 6)}
+    sampled = {i: SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=i,
+                                 stop_token_ids=[rng.randrange(3, 256)]) for i in (1, 4, 6)}
     alone = LLM(path, block_size=4)
     expected_sampled = {i: alone.generate([prompts[i]], p, use_tqdm=False)[0] for i, p in sampled.items()}
     num_preemptions = 0
@@ -235,7 +238,8 @@ def test_random_arrivals_and_preemption_match_transformers(tiny_models):
             for i, arrival in zip(order, arrivals):
                 if arrival == step:
                     engine.add_request(prompts[i], SamplingParams(temperature=0, max_tokens=max_tokens[i]), str(i))
-                    engine.add_request(prompts[i], sampled.get(i, SamplingParams(temperature=0, max_tokens=max_tokens[i])), f"s{i}")
+                    params = sampled.get(i, SamplingParams(temperature=0, max_tokens=max_tokens[i]))
+                    engine.add_request(prompts[i], params, f"s{i}")
             outputs.update((o.request_id, o) for o in engine.step().outputs)
             engine.assert_invariants()
             step += 1
@@ -275,8 +279,7 @@ def test_one_system_prompt_admitted_together_is_computed_once_whatever_the_batch
     for reverse in (False, True):
         engine = LLM(path, block_size=4).engine
         if reverse:  # the readers run before the request that writes their shared blocks
-            schedule = engine.scheduler.schedule
-            engine.scheduler.schedule = lambda: schedule()[::-1]
+            engine.scheduler.schedule = lambda schedule=engine.scheduler.schedule: schedule()[::-1]
         for i in range(5):
             engine.add_request(SHARED[i], SamplingParams(temperature=0, max_tokens=SHARED_MAX_TOKENS[i]), str(i))
         first = engine.step()

@@ -234,7 +234,8 @@ def test_num_cached_tokens_counts_prompt_hits_at_first_admission_only():
     assert new.status is SequenceStatus.WAITING and new.output_token_ids
     while new.status is SequenceStatus.WAITING:
         scheduled = step(sched)
-    assert new.num_computed_tokens - dict((s.request_id, n) for s, n in scheduled)["new"] > 0  # it re-found its blocks...
+    ran = dict((s.request_id, n) for s, n in scheduled)["new"]
+    assert new.num_computed_tokens - ran > 0  # it re-found its blocks...
     assert new.num_cached_tokens == 0 and sched.num_cached_tokens == 0  # ...which are no prefix-cache hit
 
 
