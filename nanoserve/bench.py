@@ -107,7 +107,7 @@ def run_nanoserve(path: str, workload: list[Request], scheduling: str, **config)
     llm = LLM(path, scheduling=scheduling, enable_prefix_caching=False, **config)
     engine, bm = llm.engine, llm.engine.scheduler.block_manager
     llm.generate([workload[0].prompt], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    block_size, total = engine.config.block_size, engine.model_runner.num_blocks - 1
+    block_size, total = engine.block_size, engine.model_runner.num_blocks - 1
     start = time.perf_counter()
     for r in workload:
         engine.add_request(r.prompt, SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))

@@ -40,11 +40,12 @@ ScheduledSeq = tuple[Sequence, int]  # a request and how many of its tokens run 
 class Scheduler:
     """Owns the queues (`waiting`, `running`) and the block manager; plans each step."""
 
-    def __init__(self, config: Config, num_blocks: int, max_model_len: int, eos_token_ids: set[int]) -> None:
+    def __init__(self, config: Config, num_blocks: int, block_size: int, max_model_len: int,
+                 eos_token_ids: set[int]) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is last
         self.num_preemptions = 0
@@ -110,7 +111,7 @@ class Scheduler:
             # Blocks enter the prefix cache only in `update`, after the step that computed them: two
             # requests admitted in the same step share no prefix, even with the same system prompt.
             cached_prefix = self.block_manager.find_cached_prefix(seq)
-            num_computed = len(cached_prefix) * self.config.block_size
+            num_computed = len(cached_prefix) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
             if not self.block_manager.allocate(seq, self.slots_to_reserve(seq, num_computed + num_new), cached_prefix):
                 break

@@ -128,7 +128,7 @@ MID_BLOCK_PREFIX_HIT = Workload(
 @given(workloads())
 @example(MID_BLOCK_PREFIX_HIT)
 def test_random_workloads_keep_every_invariant(w: Workload):
-    sched = Scheduler(w.config, w.num_blocks, w.max_model_len, eos_token_ids=w.eos_token_ids)
+    sched = Scheduler(w.config, w.num_blocks, w.config.block_size, w.max_model_len, eos_token_ids=w.eos_token_ids)
     seqs = [Sequence(str(i), None, r.prompt, SamplingParams(temperature=0, max_tokens=r.max_tokens,
                                                             stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos))
             for i, r in enumerate(w.requests)]
