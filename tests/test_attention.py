@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import build_tiny_llama
+from conftest import reference as hf_reference
 from flash_reference import FlashReference, fake_flash_attn_module
-from nanoserve import attention
-from nanoserve.attention import BACKENDS, paged_attention, plan_attention, select_attention, store_kvcache
+from nanoserve import LLMEngine, SamplingParams, attention
+from nanoserve.attention import BACKENDS, FlashBackend, paged_attention, plan_attention, select_attention, store_kvcache
 from nanoserve.batch import Batch
+from nanoserve.config import Config
 
 # flash-attn's checks, relaxed for these tests' float32 and pages of 1 to 16 tokens only
 RELAXED = FlashReference(page_multiple=1, allow_float32=True)
@@ -483,3 +486,55 @@ def test_flash_attn_matches_reference():
     expected = flash_attn.flash_attn_with_kvcache(q1, k_cache, v_cache, **kwargs)
     actual = flash_attn_with_kvcache(q1, k_cache, v_cache, **kwargs)
     torch.testing.assert_close(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+# ----------------------------------------------------------------------------- the flash branch, end to end
+
+@pytest.fixture(scope="module")
+def long_llama(tmp_path_factory) -> str:
+    """A tiny Llama with room for whole 256-token pages and a prefix hit on one."""
+    return build_tiny_llama(str(tmp_path_factory.mktemp("long") / "llama"), max_position_embeddings=1024)
+
+
+def run_flash_engine(path: str, reference_module: object, monkeypatch) -> tuple[dict[str, list[int]], list[list[int]]]:
+    """The engine's flash branch on the CPU, flash-attn replaced by `reference_module` and the GPU checks
+    passed (as on an sm90 GPU). Two requests first: a 10-token prompt and a 310-token one in chunks of
+    at most 128 tokens, so varlen steps mix prefill chunks with decodes. Once the long prompt is done,
+    two more: one sharing its first 300 tokens (a prefix hit on its first page, then a chunk after 256
+    cached tokens) and a short one. Returns the generated tokens by request id, and the prompts."""
+    monkeypatch.setitem(sys.modules, "flash_attn", reference_module)
+    monkeypatch.setattr(attention, "why_not_flash", lambda device, dtype, head_dim: None)
+    config = Config.from_kwargs(path, device="cpu", dtype="float32", max_num_batched_tokens=128, max_num_seqs=4)
+    engine = LLMEngine(config)
+    assert engine.block_size == 256 and isinstance(engine.model_runner.model.model.attention, FlashBackend)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (10, 310, 0, 7)]
+    prompts[2] = prompts[1][:300] + [rng.randrange(3, 256) for _ in range(20)]
+    tokens: dict[str, list[int]] = {}
+    for i in (0, 1):
+        engine.add_request(prompts[i], SamplingParams(temperature=0, max_tokens=12), request_id=str(i))
+    while engine.requests["1"].num_computed_tokens < 310:
+        tokens |= {o.request_id: o.outputs[0].token_ids for o in engine.step().outputs}
+    for i in (2, 3):
+        engine.add_request(prompts[i], SamplingParams(temperature=0, max_tokens=12), request_id=str(i))
+    while engine.has_unfinished_requests():
+        tokens |= {o.request_id: o.outputs[0].token_ids for o in engine.step().outputs}
+    return tokens, prompts
+
+
+def test_flash_branch_end_to_end_through_the_strict_reference(long_llama, monkeypatch):
+    """The flash backend's every call goes through flash_attn_varlen_func / flash_attn_with_kvcache as
+    the strict reference checks them (int32 contiguous lengths and block tables, the paged layout,
+    256-token pages, max_seqlen bounds), and the tokens equal transformers'. One relaxation, said
+    here: float32, which flash-attn refuses, so that greedy tokens can be compared exactly. Catches
+    query_start_loc passed for cu_seqlens_k, an int64 or misshapen block table, seq_lens off by
+    one, max_query_len for max_seq_len, decode-only steps sent to the wrong function."""
+    strict = FlashReference(allow_float32=True)
+    tokens, prompts = run_flash_engine(long_llama, fake_flash_attn_module(strict), monkeypatch)
+    assert [tokens[str(i)] for i in range(4)] == hf_reference(long_llama, prompts, [12] * 4)
+    varlen = [c for c in strict.calls if c["fn"] == "varlen"]
+    assert all(c["paged"] and c["causal"] for c in strict.calls)
+    # the steps this run must have reached: chunks mixed with decodes, a chunk after a prefix hit
+    assert any(1 in c["q_lens"] and max(c["q_lens"]) > 1 for c in varlen)
+    assert any(q > 1 and k - q >= 256 for c in varlen for q, k in zip(c["q_lens"], c["k_lens"]))  # the prefix hit
+    assert any(c["fn"] == "kvcache" for c in strict.calls)
