@@ -9,6 +9,9 @@ scripts/gpu_check.py runs the same functions with sizes of its own, and on the C
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,3 +96,16 @@ def test_seeded_sampling_on_cuda_is_the_same_in_any_batch(tiny_models):
     batch = llm.generate(workload(), [seeded] + [SamplingParams(temperature=1.0, max_tokens=16)] * 11, use_tqdm=False)
     assert batch[0].outputs[0].token_ids == alone.outputs[0].token_ids
     assert len(set(map(tuple, (o.outputs[0].token_ids for o in batch)))) > 1  # the others did sample
+
+
+def test_gpu_check_dry_run_runs_every_check_on_the_cpu():
+    """scripts/gpu_check.py --dry-run: the GPU check's own code on the CPU with tiny sizes, so that the
+    script a GPU owner runs is never broken. Every check must have produced its rows, none failed."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    result = subprocess.run([sys.executable, str(script), "--dry-run"], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    for row in ("| versions |", "| pytest -m gpu | PASS", "| engine vs transformers, torch.float32 | PASS",
+                "| flash branch through the strict reference | PASS", "| per decode step, B=4 |",
+                "| peak memory vs KV budget |", "| decode B=8,"):
+        assert row in result.stdout, row
+    assert "| FAIL |" not in result.stdout
