@@ -40,7 +40,7 @@ from torch import Tensor
 
 from nanoserve.batch import Batch
 from nanoserve.config import cdiv
-from nanoserve.device import cuda_capability, upload
+from nanoserve.device import upload
 
 
 def store_kvcache(k: Tensor, v: Tensor, k_cache: Tensor,
@@ -110,19 +110,15 @@ class AttentionPlan:
     prefill_requests: list[PrefillRequest]
 
 
+# How many decode rows attend together. A group is padded to its longest context, and its copied keys
+# and values should still be in cache when SDPA reads them: groups of about 8 rows measured fastest on
+# CPU in both dtypes (figures: README, "Benchmark").
 DECODE_GROUP_ROWS = 8
 
 
-def decode_groups_count(num_rows: int) -> int:
-    """How many length groups `num_rows` decode rows split into. A group is padded to its longest
-    context, and its copied keys and values should still be in cache when SDPA reads them: groups of
-    about 8 rows measured fastest on CPU in both dtypes (figures: README, "Benchmark")."""
-    return max(1, cdiv(num_rows, DECODE_GROUP_ROWS))
-
-
 def plan_attention(batch: Batch, block_size: int, dtype: torch.dtype) -> AttentionPlan:
-    """Group the step's requests for `paged_attention`, from the lengths the host holds (no read back
-    from the device); every group's index tensors go up to the device in one copy."""
+    """Group the step's requests for `paged_attention`, from the lengths the host holds: nothing is
+    read back from the device."""
     device = batch.block_tables.device
     starts, k_lens = batch.query_start_loc_cpu, batch.seq_lens_cpu  # request b's queries: rows starts[b]:starts[b + 1]
     q_lens = np.diff(starts)
@@ -130,17 +126,14 @@ def plan_attention(batch: Batch, block_size: int, dtype: torch.dtype) -> Attenti
     decode = np.flatnonzero((q_lens == 1) & (k_lens > 0))
     decode = decode[np.argsort(k_lens[decode], kind="stable")]
     groups = []
-    if len(decode):
-        chunks = np.array_split(decode, decode_groups_count(len(decode)))
-        # each decode request's index, its row of q and its key count, in one copy to the device
-        index = upload(dict(requests=decode, rows=starts[decode], seqlens_k=k_lens[decode]), torch.int64, device)
-        sizes = [len(chunk) for chunk in chunks]
-        for chunk, requests, rows, seqlens_k in zip(chunks, *(t.split(sizes) for t in index.values())):
-            num_blocks = blocks_needed(int(k_lens[chunk[-1]]), block_size)  # the group's longest context
-            padding = torch.arange(num_blocks * block_size, device=device) >= seqlens_k[:, None]  # [R, L]
-            bias = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill(padding, float("-inf"))
-            table = batch.block_tables.index_select(0, requests)[:, :num_blocks]  # [R, num_blocks]
-            groups.append(DecodeGroup(rows, table, bias[:, None, None, :]))
+    for chunk in np.array_split(decode, cdiv(len(decode), DECODE_GROUP_ROWS)) if len(decode) else []:
+        # its requests, their rows of q and their key counts: one non_blocking copy to the device
+        index = upload(dict(requests=chunk, rows=starts[chunk], seqlens_k=k_lens[chunk]), torch.int64, device)
+        num_blocks = blocks_needed(int(k_lens[chunk[-1]]), block_size)  # the group's longest context
+        padding = torch.arange(num_blocks * block_size, device=device) >= index["seqlens_k"][:, None]  # [R, L]
+        bias = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill(padding, float("-inf"))
+        table = batch.block_tables.index_select(0, index["requests"])[:, :num_blocks]  # [R, num_blocks]
+        groups.append(DecodeGroup(index["rows"], table, bias[:, None, None, :]))
     prefills = []
     for b in np.flatnonzero((q_lens > 1) & (k_lens > 0)).tolist():
         # with seqlen_q >= seqlen_k the first seqlen_q - seqlen_k queries see no key (output 0) and
@@ -254,9 +247,9 @@ def why_not_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> st
     and flash-attn 2.5.7 or later, whose flash_attn_varlen_func reads a paged cache (block_table).
     flash-attn 3 and 4 are other packages with other functions: an install of flash-attn 4 alone
     leaves an empty `flash_attn` namespace, whose import succeeds but holds neither function."""
-    capability = cuda_capability(device)
-    if capability is None:
+    if torch.device(device).type != "cuda" or torch.version.hip:  # ROCm answers to "cuda" too, numbered its own way
         return f"flash-attn 2 needs an NVIDIA GPU (CUDA, not ROCm), got device {device}"
+    capability = torch.cuda.get_device_capability(device)
     if not (8, 0) <= capability < (10, 0):
         return f"flash-attn 2 runs on compute capability 8.0 to 9.x, this GPU has {capability[0]}.{capability[1]}"
     if dtype not in (torch.float16, torch.bfloat16):

@@ -61,14 +61,6 @@ def free_memory(device: torch.device) -> tuple[int, int]:
     return memory.available, memory.total
 
 
-def cuda_capability(device: torch.device) -> tuple[int, int] | None:
-    """An NVIDIA GPU's compute capability (9, 0 for an H100); None on any other device: a CPU, an
-    Apple GPU, or an AMD GPU under ROCm (which also answers to "cuda", with its own numbering)."""
-    if device.type != "cuda" or torch.version.hip is not None:
-        return None
-    return torch.cuda.get_device_capability(device)
-
-
 def upload(arrays: dict[str, np.ndarray | list], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """Host arrays by name -> tensors on `device` in `dtype`, each of its array's shape: views of one
     buffer that goes up in one copy. On CUDA that copy is from pinned memory with non_blocking=True:

@@ -29,14 +29,12 @@ class ModelRunner:
         self.backend, self.block_size = select_attention(config.attention_backend, config.block_size, device,
                                                          self.dtype, read_config(config.model).head_dim)
         self.model = load_model(config.model, self.dtype, device, self.backend, shard)
-        peak = 0
-        if device.type == "cuda":  # what the largest step takes at its peak (and the throwaway cache), the cache leaves free
+        if device.type == "cuda":  # the largest step, once: its peak is what the KV cache leaves free
             torch.cuda.reset_peak_memory_stats(device)
             self.warm_up(config, max_model_len)
-            peak = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
             torch.cuda.empty_cache()  # the free memory read next counts the warm-up's as free
         # Rank 0 decides how many blocks; every rank's cache then holds as many, so one block table fits all.
-        num_blocks = (config.num_kvcache_blocks or self.size_kv_cache(config, max_model_len, peak)) if shard.rank == 0 else None
+        num_blocks = (config.num_kvcache_blocks or self.size_kv_cache(config, max_model_len)) if shard.rank == 0 else None
         self.num_blocks: int = broadcast_from_rank0(num_blocks, shard)
         needed, available = self.num_blocks * self.bytes_per_block(), free_memory(device)[0]
         if needed > available:
@@ -56,13 +54,14 @@ class ModelRunner:
         m, ranks_here = self.model, self.shard.size if self.device.type == "cpu" else 1
         return ranks_here * 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
 
-    def size_kv_cache(self, config: Config, max_model_len: int, peak: int) -> int:
+    def size_kv_cache(self, config: Config, max_model_len: int) -> int:
         """How many blocks fit the memory budget: `gpu_memory_utilization` of the GPU less what is in use
-        and the warm-up's `peak` (bytes), or CPU_KV_CACHE_FRACTION of available RAM (the other 90% is far more
+        and the warm-up's peak above it (see warm_up), or CPU_KV_CACHE_FRACTION of available RAM (the other 90% is far more
         than any step's activations); never more than every seat filled to max_model_len. Too few for
         one request is an error the engine reports, never a cache over budget."""
         free, total = free_memory(self.device)
         if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
             budget = free - (1 - config.gpu_memory_utilization) * total - peak
         else:
             budget = CPU_KV_CACHE_FRACTION * free
@@ -77,13 +76,12 @@ class ModelRunner:
         logits, the sampler's [rows, vocab] copies) is what the KV cache must leave free, as vLLM and
         nano-vllm measure it. Every rank runs it: the forward's collectives need them all."""
         seq_len = min(config.max_num_batched_tokens, max_model_len)
-        seqs = [Sequence(f"warm-up {i}", None, [0] * seq_len, SamplingParams())
+        seqs = [Sequence(str(i), None, [0] * seq_len, SamplingParams())
                 for i in range(min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))]
-        blocks_each = cdiv(seq_len, self.block_size)
-        for i, seq in enumerate(seqs):  # blocks 1, 2, ...: block 0 is the null block
-            seq.block_table = list(range(1 + i * blocks_each, 1 + (i + 1) * blocks_each))
-        kv_cache = self.allocate_kv_cache(1 + len(seqs) * blocks_each)
-        self.model(build_batch([(seq, seq_len) for seq in seqs], self.block_size, self.device), kv_cache)
+        for seq in seqs:  # all in the same blocks of a throwaway cache (block 0 is the null block)
+            seq.block_table = list(range(1, 1 + cdiv(seq_len, self.block_size)))
+        batch = build_batch([(seq, seq_len) for seq in seqs], self.block_size, self.device)
+        self.model(batch, self.allocate_kv_cache(1 + cdiv(seq_len, self.block_size)))
         if self.shard.rank == 0:
             logits = torch.zeros(config.max_num_seqs, self.model.vocab_size, device=self.device)
             sample(logits, [SamplingParams(top_k=50, top_p=0.9)] * len(logits), [0] * len(logits))

@@ -44,7 +44,7 @@ from test_gpu import ENGINE, agreement, hf_generate, run_engine, workload  # noq
 
 from nanoserve import LLM, SamplingParams, attention  # noqa: E402
 from nanoserve.attention import select_attention  # noqa: E402
-from nanoserve.device import cuda_capability, resolve_dtype  # noqa: E402
+from nanoserve.device import resolve_dtype  # noqa: E402
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=256, max_position_embeddings=256, initializer_range=0.1)
@@ -73,7 +73,7 @@ def check_environment(device: str) -> list[Row]:
     rows = [("versions", "INFO", ", ".join(f"{k} {v}" for k, v in versions.items()) + f", CUDA {torch.version.cuda}")]
     dev = torch.device(device)
     if device == "cuda":
-        name, capability = torch.cuda.get_device_name(), cuda_capability(dev)
+        name, capability = torch.cuda.get_device_name(), torch.cuda.get_device_capability(dev)
         rows.append(("GPU", "INFO", f"{name}, compute capability {capability}, "
                                     f"{torch.cuda.mem_get_info()[1] / 2**30:.0f} GiB"))
     dtype = resolve_dtype("auto", dev)
