@@ -56,8 +56,8 @@ class ModelRunner:
 
     def size_kv_cache(self, config: Config, max_model_len: int) -> int:
         """How many blocks fit the memory budget: `gpu_memory_utilization` of the GPU less what is in use
-        and the warm-up's peak above it (see warm_up), or CPU_KV_CACHE_FRACTION of available RAM (the other 90% is far more
-        than any step's activations); never more than every seat filled to max_model_len. Too few for
+        and the warm-up's peak above it (see warm_up), or CPU_KV_CACHE_FRACTION of available RAM (the
+        other 90% is far more than any step's activations); never more than every seat filled to max_model_len. Too few for
         one request is an error the engine reports, never a cache over budget."""
         free, total = free_memory(self.device)
         if self.device.type == "cuda":

@@ -175,8 +175,8 @@ def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: o
         dist.barrier()
         while (message := pipe.recv()) is not None:
             tensors, others = message  # the Batch's tensors as numpy arrays, and its other fields
-            batch = Batch(**{name: torch.from_numpy(array).to(runner.device) for name, array in tensors.items()}, **others)
-            runner.run(batch, [])  # rank 0 samples
+            tensors = {name: torch.from_numpy(array).to(runner.device) for name, array in tensors.items()}
+            runner.run(Batch(**tensors, **others), [])  # rank 0 samples
     except EOFError:  # rank 0 is gone
         pass
     except BaseException:

@@ -180,7 +180,8 @@ def check_decoding(path: str, device: str, batch_sizes: list[int], prompt_len: i
         theirs = (out[:, prompt_len:]).tolist()
         ratio = (seconds_hf := time.perf_counter() - start) / seconds[b]
         rows.append((f"decode B={b}, {runner.dtype}", "INFO",
-                     f"nanoserve {b * max_tokens / seconds[b]:.0f} tok/s, transformers {b * max_tokens / seconds_hf:.0f}"
+                     f"nanoserve {b * max_tokens / seconds[b]:.0f} tok/s, "
+                     f"transformers {b * max_tokens / seconds_hf:.0f}"
                      f" tok/s (nanoserve {ratio:.2f}x); {agreement(ours[b], theirs):.1%} of tokens equal; "
                      f"backend {runner.backend}, block_size {llm.engine.block_size}"))
     return rows
@@ -205,7 +206,8 @@ def profile_decode(llm: LLM, device: str, prompts: list[list[int]], max_tokens: 
         engine.step()
     events = prof.events()
     kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    syncs = sum(1 for e in events if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"))
+    waits = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+    syncs = sum(1 for e in events if e.name in waits)
     reads = sum(1 for e in events if e.name == "aten::_local_scalar_dense")
     return (f"per decode step, B={len(prompts)}", "INFO", f"{kernels / steps:.0f} kernel launches, {syncs / steps:.1f} "
             f"host syncs, {reads / steps:.1f} scalar reads (item/tolist)")
@@ -215,12 +217,12 @@ def memory_row(llm: LLM, device: str, utilization: float) -> Row:
     runner = llm.engine.model_runner
     kv = runner.kv_cache.numel() * runner.kv_cache.element_size()
     if device != "cuda":
-        return ("peak memory vs KV budget", "SKIP", f"KV cache {kv / 2**20:.0f} MiB; peak memory is measured on CUDA only")
+        return ("peak memory vs KV budget", "SKIP", f"KV cache {kv / 2**20:.0f} MiB; the peak is measured on CUDA only")
     peak, total = torch.cuda.max_memory_allocated(), torch.cuda.mem_get_info()[1]
     ok = peak <= utilization * total
     return ("peak memory vs KV budget", "PASS" if ok else "FAIL",
             f"peak allocated {peak / 2**30:.1f} GiB (KV cache {kv / 2**30:.1f} GiB, {runner.num_blocks} blocks) "
-            f"<= gpu_memory_utilization {utilization} x {total / 2**30:.0f} GiB = {utilization * total / 2**30:.1f} GiB")
+            f"<= gpu_memory_utilization {utilization} x {total / 2**30:.0f} GiB = {utilization * total / 2**30:.1f}")
 
 
 def main() -> int:

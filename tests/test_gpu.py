@@ -30,7 +30,8 @@ def workload(seed: int = 0, num_prompts: int = 12, shared: int = 32) -> list[lis
     return [prefix + p if i % 3 == 0 else p for i, p in enumerate(prompts)]
 
 
-def hf_generate(path: str, prompts: list[list[int]], max_tokens: int, device: str, dtype: torch.dtype) -> list[list[int]]:
+def hf_generate(path: str, prompts: list[list[int]], max_tokens: int, device: str,
+                dtype: torch.dtype) -> list[list[int]]:
     """transformers' greedy generate on `device`, one prompt at a time (no padding)."""
     model = LlamaForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     outputs = []
