@@ -8,6 +8,7 @@ scripts/gpu_check.py runs the same functions with sizes of its own, and on the C
 """
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -110,3 +111,11 @@ def test_gpu_check_dry_run_runs_every_check_on_the_cpu():
                 "| peak memory vs KV budget |", "| decode B=8,"):
         assert row in result.stdout, row
     assert "| FAIL |" not in result.stdout
+
+
+def test_tests_not_marked_gpu_run_on_the_cpu(tiny_models):
+    """conftest hides CUDA from this test, so LLM() picks the CPU even on a GPU machine, and so do the
+    subprocesses a test starts. The bug: on a GPU box, tests ran in bfloat16 on CUDA against float32
+    references and failed."""
+    assert not torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES") == ""
+    assert LLM(tiny_models["gqa"], block_size=4).engine.device.type == "cpu"
