@@ -34,7 +34,7 @@ class ModelRunner:
             self.warm_up(config, max_model_len)
             torch.cuda.empty_cache()  # the free memory read next counts the warm-up's as free
         # Rank 0 decides how many blocks; every rank's cache then holds as many, so one block table fits all.
-        num_blocks = (config.num_kvcache_blocks or self.size_kv_cache(config, max_model_len)) if shard.rank == 0 else None
+        num_blocks = config.num_kvcache_blocks or self.size_kv_cache(config, max_model_len) if shard.rank == 0 else None
         self.num_blocks: int = broadcast_from_rank0(num_blocks, shard)
         needed, available = self.num_blocks * self.bytes_per_block(), free_memory(device)[0]
         if needed > available:
@@ -57,8 +57,8 @@ class ModelRunner:
     def size_kv_cache(self, config: Config, max_model_len: int) -> int:
         """How many blocks fit the memory budget: `gpu_memory_utilization` of the GPU less what is in use
         and the warm-up's peak above it (see warm_up), or CPU_KV_CACHE_FRACTION of available RAM (the
-        other 90% is far more than any step's activations); never more than every seat filled to max_model_len. Too few for
-        one request is an error the engine reports, never a cache over budget."""
+        other 90% is far more than any step's activations); never more than every seat filled to
+        max_model_len. Too few for one request is an error the engine reports, never a cache over budget."""
         free, total = free_memory(self.device)
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
