@@ -30,14 +30,17 @@ both are checked against.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from nanoserve.batch import Batch
 from nanoserve.config import cdiv
+from nanoserve.device import upload
 
 
 def store_kvcache(k: Tensor, v: Tensor, k_cache: Tensor,
@@ -107,43 +110,40 @@ class AttentionPlan:
     prefill_requests: list[PrefillRequest]
 
 
+# How many decode rows attend together. A group is padded to its longest context, and its copied keys
+# and values should still be in cache when SDPA reads them: groups of about 8 rows measured fastest on
+# CPU in both dtypes (figures: README, "Benchmark").
 DECODE_GROUP_ROWS = 8
 
 
-def decode_groups_count(num_rows: int) -> int:
-    """How many length groups `num_rows` decode rows split into. A group is padded to its longest
-    context, and its copied keys and values should still be in cache when SDPA reads them: groups of
-    about 8 rows measured fastest on CPU in both dtypes (figures: README, "Benchmark")."""
-    return max(1, cdiv(num_rows, DECODE_GROUP_ROWS))
-
-
 def plan_attention(batch: Batch, block_size: int, dtype: torch.dtype) -> AttentionPlan:
-    """Group the step's requests for `paged_attention`, from their query and key counts."""
+    """Group the step's requests for `paged_attention`, from the lengths the host holds: nothing is
+    read back from the device."""
     device = batch.block_tables.device
-    starts = batch.query_start_loc.tolist()  # request b's queries are rows starts[b], ..., starts[b + 1] - 1
-    q_lens = [end - start for start, end in zip(starts, starts[1:])]
-    k_lens = batch.seq_lens.tolist()
+    starts, k_lens = batch.query_start_loc_cpu, batch.seq_lens_cpu  # request b's queries: rows starts[b]:starts[b + 1]
+    q_lens = np.diff(starts)
     # decode rows, shortest context first, cut into groups of about equal count
-    decode = sorted((b for b, n in enumerate(q_lens) if n == 1 and k_lens[b] > 0), key=lambda b: k_lens[b])
-    per_group, groups = max(1, cdiv(len(decode), decode_groups_count(len(decode)))), []
-    for chunk in (decode[i:i + per_group] for i in range(0, len(decode), per_group)):
-        num_blocks = blocks_needed(k_lens[chunk[-1]], block_size)  # the group's longest context
-        seqlens_k = torch.tensor([k_lens[b] for b in chunk], device=device)
-        padding = torch.arange(num_blocks * block_size, device=device) >= seqlens_k[:, None]  # [R, L]
+    decode = np.flatnonzero((q_lens == 1) & (k_lens > 0))
+    decode = decode[np.argsort(k_lens[decode], kind="stable")]
+    groups = []
+    for chunk in np.array_split(decode, cdiv(len(decode), DECODE_GROUP_ROWS)) if len(decode) else []:
+        # its requests, their rows of q and their key counts: one non_blocking copy to the device
+        index = upload(dict(requests=chunk, rows=starts[chunk], seqlens_k=k_lens[chunk]), torch.int64, device)
+        num_blocks = blocks_needed(int(k_lens[chunk[-1]]), block_size)  # the group's longest context
+        padding = torch.arange(num_blocks * block_size, device=device) >= index["seqlens_k"][:, None]  # [R, L]
         bias = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill(padding, float("-inf"))
-        table = batch.block_tables[torch.tensor(chunk, device=device), :num_blocks]  # [R, num_blocks]
-        rows = torch.tensor([starts[b] for b in chunk], device=device)
-        groups.append(DecodeGroup(rows, table, bias[:, None, None, :]))
+        table = batch.block_tables.index_select(0, index["requests"])[:, :num_blocks]  # [R, num_blocks]
+        groups.append(DecodeGroup(index["rows"], table, bias[:, None, None, :]))
     prefills = []
-    for b in (b for b, n in enumerate(q_lens) if n > 1 and k_lens[b] > 0):
+    for b in np.flatnonzero((q_lens > 1) & (k_lens > 0)).tolist():
         # with seqlen_q >= seqlen_k the first seqlen_q - seqlen_k queries see no key (output 0) and
         # the others form a square, where SDPA's top-left causal mask is the bottom-right one
-        start = starts[b] + max(0, q_lens[b] - k_lens[b])
-        square = starts[b + 1] - start == k_lens[b]
-        mask = None if square else causal_mask(starts[b + 1] - start, k_lens[b], device)
-        table = batch.block_tables[b:b + 1, :blocks_needed(k_lens[b], block_size)]
-        prefills.append(PrefillRequest(start, starts[b + 1], table, k_lens[b], mask))
-    return AttentionPlan(batch.slot_mapping, starts[-1], groups, prefills)
+        seqlen_k, end = int(k_lens[b]), int(starts[b + 1])
+        start = max(int(starts[b]), end - seqlen_k)
+        mask = None if end - start == seqlen_k else causal_mask(end - start, seqlen_k, device)
+        table = batch.block_tables[b:b + 1, :blocks_needed(seqlen_k, block_size)]
+        prefills.append(PrefillRequest(start, end, table, seqlen_k, mask))
+    return AttentionPlan(batch.slot_mapping, int(starts[-1]), groups, prefills)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan, scale: float) -> Tensor:
@@ -224,28 +224,42 @@ BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend, "flash": F
 
 # ----------------------------------------------------------------------------- choosing a backend
 
-def select_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype) -> str:
-    """Resolve "auto" | "torch" | "flash", failing at start-up, not mid-run, on a choice that cannot
-    serve: flash-attn needs CUDA, fp16 or bf16, and whole 256-token pages for its paged KV cache.
-    "auto" takes flash only where it fits, and the torch backend everywhere else."""
+def select_attention(name: str, block_size: int | str, device: torch.device, dtype: torch.dtype,
+                     head_dim: int) -> tuple[str, int]:
+    """Resolve the attention backend ("auto" | "torch" | "flash") and block_size (an int or "auto")
+    together, failing at start-up, not mid-run, on a choice that cannot serve. flash-attn pages its KV
+    cache in whole 256-token blocks: "auto" takes flash with block_size 256 wherever flash-attn 2 can
+    run, and the torch backend with block_size 16 (vLLM's default) everywhere else."""
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown attention backend {name!r}; choose 'auto', 'torch' or 'flash'")
-    is_cuda = torch.device(device).type == "cuda"
-    flash_fits = block_size % 256 == 0 and dtype in (torch.float16, torch.bfloat16)
-    if name == "auto":
-        return "flash" if is_cuda and flash_fits and flash_attn_importable() else "torch"
-    if name == "flash" and not is_cuda:
-        raise ValueError(f"the flash attention backend needs a CUDA device, got {device}")
-    if name == "flash" and not flash_fits:
-        raise ValueError(f"the flash attention backend needs block_size a multiple of 256 and dtype float16 "
-                         f"or bfloat16, got block_size={block_size}, dtype={dtype}")
-    return name
+    why_not = "attention_backend='torch'" if name == "torch" else why_not_flash(device, dtype, head_dim)
+    block_size = (16 if why_not else 256) if block_size == "auto" else block_size
+    if name == "flash" and (why_not or block_size % 256):
+        why_not = why_not or f"block_size={block_size} is not a multiple of 256 (a flash-attn page)"
+        raise ValueError(f"the flash attention backend cannot run here: {why_not}")
+    return ("torch" if why_not or block_size % 256 else "flash"), block_size
 
 
-def flash_attn_importable() -> bool:
+def why_not_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why flash-attn 2 cannot serve here, or None where it can: an NVIDIA GPU of compute capability
+    8.0 to 9.x (its wheels hold kernels for sm80 and sm90; 10.x and up need a build for them), fp16 or
+    bf16, head_dim a multiple of 8 up to 256 (any other it pads, copying the whole cache every call),
+    and flash-attn 2.5.7 or later, whose flash_attn_varlen_func reads a paged cache (block_table).
+    flash-attn 3 and 4 are other packages with other functions: an install of flash-attn 4 alone
+    leaves an empty `flash_attn` namespace, whose import succeeds but holds neither function."""
+    if torch.device(device).type != "cuda" or torch.version.hip:  # ROCm answers to "cuda" too, numbered its own way
+        return f"flash-attn 2 needs an NVIDIA GPU (CUDA, not ROCm), got device {device}"
+    capability = torch.cuda.get_device_capability(device)
+    if not (8, 0) <= capability < (10, 0):
+        return f"flash-attn 2 runs on compute capability 8.0 to 9.x, this GPU has {capability[0]}.{capability[1]}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn needs dtype float16 or bfloat16, got {dtype}"
+    if head_dim % 8 or head_dim > 256:
+        return f"flash-attn needs head_dim a multiple of 8, at most 256; the model's is {head_dim}"
     try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: F401
+    except Exception as error:  # absent, flash-attn 3 or 4 only, or built for another torch
+        return f"flash-attn 2 is not importable ({type(error).__name__}: {error})"
+    if "block_table" not in inspect.signature(flash_attn_varlen_func).parameters:
+        return "flash-attn is older than 2.5.7: its flash_attn_varlen_func takes no block_table"
+    return None

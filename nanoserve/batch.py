@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nanoserve.device import upload
 from nanoserve.sequence import Sequence
 
 
@@ -38,6 +39,9 @@ class Batch:
     next_token_ids: torch.Tensor   # [P] int64, the prompt token each prompt-logprob row predicts
     max_query_len: int
     max_seq_len: int
+    # The lengths again, on the host (numpy int64): plans are built from these, never read back from the device
+    query_start_loc_cpu: np.ndarray  # [B+1]
+    seq_lens_cpu: np.ndarray         # [B]
 
     @property
     def is_decode_only(self) -> bool:
@@ -79,30 +83,22 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, device: 
         query_lens.append(num_new)
         seq_lens.append(start + num_new)
         samples.append(samples_now(seq, num_new))
-    query_lens_np, seq_lens_np = np.array(query_lens), np.array(seq_lens)
+    query_lens_np, seq_lens_np = np.array(query_lens, np.int64), np.array(seq_lens, np.int64)
     query_start_loc = np.concatenate([[0], np.cumsum(query_lens_np)])
     # Token t belongs to request req[t]; its position counts on from that request's computed tokens.
     req = np.repeat(np.arange(len(scheduled)), query_lens_np)
     positions = np.arange(len(input_ids)) - query_start_loc[req] + (seq_lens_np - query_lens_np)[req]
-    block_tables = np.zeros((len(scheduled), max(len(seq.block_table) for seq, _ in scheduled)), np.int32)
+    block_tables = np.zeros((len(scheduled), max(len(seq.block_table) for seq, _ in scheduled)), np.int64)
     for r, (seq, _) in enumerate(scheduled):
         block_tables[r, :len(seq.block_table)] = seq.block_table  # the rest stays 0, the null block
     # [N]: token t's block is entry positions[t] // block_size of its request's block table
-    slot_mapping = block_tables[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    slot_mapping = block_tables[req, positions // block_size] * block_size + positions % block_size
     logits_indices = np.concatenate([query_start_loc[1:][np.array(samples, dtype=bool)] - 1, prompt_rows])
-
-    def tensor(array: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(array), dtype=dtype).to(device, non_blocking=True)
-    return Batch(
-        input_ids=tensor(input_ids, torch.int64),
-        positions=tensor(positions, torch.int64),
-        slot_mapping=tensor(slot_mapping, torch.int64),
-        query_start_loc=tensor(query_start_loc, torch.int32),
-        seq_lens=tensor(seq_lens_np, torch.int32),
-        cu_seqlens_k=tensor(np.concatenate([[0], np.cumsum(seq_lens_np)]), torch.int32),
-        block_tables=tensor(block_tables, torch.int32),
-        logits_indices=tensor(logits_indices, torch.int64),
-        next_token_ids=tensor(next_token_ids, torch.int64),
-        max_query_len=int(query_lens_np.max()),
-        max_seq_len=int(seq_lens_np.max()),
-    )
+    cu_seqlens_k = np.concatenate([[0], np.cumsum(seq_lens_np)])
+    # One copy to the device per dtype (flash-attn wants lengths and block tables in int32)
+    tensors = upload(dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                          logits_indices=logits_indices, next_token_ids=next_token_ids), torch.int64, device)
+    tensors |= upload(dict(query_start_loc=query_start_loc, seq_lens=seq_lens_np, cu_seqlens_k=cu_seqlens_k,
+                           block_tables=block_tables), torch.int32, device)
+    return Batch(**tensors, max_query_len=int(query_lens_np.max()), max_seq_len=int(seq_lens_np.max()),
+                 query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens_np)

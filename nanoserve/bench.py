@@ -125,7 +125,7 @@ def run_nanoserve(path: str, workload: list[Request], scheduling: str, **config)
     llm = LLM(path, scheduling=scheduling, **{"enable_prefix_caching": False, **config})
     engine, bm = llm.engine, llm.engine.scheduler.block_manager
     llm.generate([WARM_UP], SamplingParams(max_tokens=2), use_tqdm=False)
-    block_size, total = engine.config.block_size, engine.model_runner.num_blocks - 1
+    block_size, total = engine.block_size, engine.model_runner.num_blocks - 1
     start = time.perf_counter()
     for r in workload:
         engine.add_request(r.prompt, SamplingParams(temperature=r.temperature, max_tokens=r.output_len,
@@ -176,17 +176,18 @@ def compare_prefix_caching(path: str, workload: list[Request], config: dict) -> 
     return "\n".join(lines)
 
 
-def load_hf(path: str, dtype: str):
+def load_hf(path: str, dtype: str, device: str = "cpu"):
     from transformers import LlamaForCausalLM
-    return LlamaForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
+    model = LlamaForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    return model.to(device).eval()
 
 
 @torch.inference_mode()
-def run_hf_generate(path: str, workload: list[Request], dtype: str) -> Result:
+def run_hf_generate(path: str, workload: list[Request], dtype: str, device: str = "cpu") -> Result:
     """transformers' `generate` on one left-padded static batch: every request runs until the
     longest one is done (min_new_tokens = max_new_tokens: EOS ignored, as for the others)."""
     from transformers import LogitsProcessor, LogitsProcessorList
-    model = load_hf(path, dtype)
+    model = load_hf(path, dtype, device)
     stamps: list[float] = []
 
     class Clock(LogitsProcessor):  # called once per generated token position: a step clock
@@ -195,8 +196,8 @@ def run_hf_generate(path: str, workload: list[Request], dtype: str) -> Result:
             return scores
 
     width = max(len(r.prompt) for r in workload)
-    ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in workload])
-    mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in workload])
+    ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in workload], device=device)
+    mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in workload], device=device)
     longest = max(r.output_len for r in workload)
     model.generate(ids[:1, -8:], attention_mask=mask[:1, -8:], max_new_tokens=2, do_sample=False)  # warm-up
     start = time.perf_counter()
@@ -211,10 +212,10 @@ def run_hf_generate(path: str, workload: list[Request], dtype: str) -> Result:
 
 
 @torch.inference_mode()
-def run_hf_continuous(path: str, workload: list[Request], dtype: str) -> Result:
+def run_hf_continuous(path: str, workload: list[Request], dtype: str, device: str = "cpu") -> Result:
     """transformers' continuous batching manager, each request with its own max_new_tokens."""
     from transformers import GenerationConfig
-    model = load_hf(path, dtype)
+    model = load_hf(path, dtype, device)
     config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(r.output_len for r in workload))
     with model.continuous_batching_context_manager(generation_config=config) as manager:
         start = time.perf_counter()
@@ -252,13 +253,14 @@ def best_seconds(fn, repeats: int) -> float:
     return min(times)  # the machine's rate, not the neighbours' load: the best of a few
 
 
-def measure_machine(dtype: torch.dtype, size: int = 1024, stream_mb: int = 256) -> Machine:
-    """π from a square GEMM, β from copying a tensor far larger than the caches (read + write)."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    src = torch.empty(stream_mb * 2 ** 20, dtype=torch.uint8).fill_(1)
+def measure_machine(dtype: torch.dtype, device: str = "cpu", size: int = 1024, stream_mb: int = 256) -> Machine:
+    """π from a square GEMM, β from copying a tensor far larger than the caches (read + write), on `device`."""
+    a, b = torch.randn(size, size, dtype=dtype, device=device), torch.randn(size, size, dtype=dtype, device=device)
+    src = torch.empty(stream_mb * 2 ** 20, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    return Machine(flops=2 * size ** 3 / best_seconds(lambda: a @ b, 20),
-                   bandwidth=2 * src.numel() / best_seconds(lambda: dst.copy_(src), 5))
+    done = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None  # GPU work is queued
+    return Machine(flops=2 * size ** 3 / best_seconds(lambda: (a @ b, done()), 20),
+                   bandwidth=2 * src.numel() / best_seconds(lambda: (dst.copy_(src), done()), 5))
 
 
 @dataclass(frozen=True)
@@ -645,6 +647,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="nanoserve's KV cache size for both schedulers: the memory a static batch must reserve")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="every engine's dtype")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", help="every engine's and the roofline's device (default: cuda if present, else cpu)")
     p.add_argument("--json", help="also write the results to this JSON file")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--online", action="store_true", help="Poisson arrivals to nanoserve continuous and static")
@@ -698,8 +701,9 @@ def main(argv: list[str] | None = None) -> None:
     config = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   num_kvcache_blocks=args.kv_cache_tokens // args.block_size + 1,  # + the null block
                   max_model_len=whole_blocks(max(len(r.prompt) + r.output_len for r in workload), args.block_size),
-                  dtype=args.dtype)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}; {len(workload)} requests, "
+                  dtype=args.dtype, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    print(f"torch {torch.__version__} on {config['device']}, {torch.get_num_threads()} threads, {args.dtype}; "
+          f"{len(workload)} requests, "
           f"{sum(len(r.prompt) for r in workload)} prompt + {sum(r.output_len for r in workload)} output tokens")
     if args.profile_decode:
         print(profile_decode(path, args.profile_decode, vocab, config))
@@ -715,13 +719,13 @@ def main(argv: list[str] | None = None) -> None:
         print(compare_prefix_caching(path, workload, config))
         return
     dtype = getattr(torch, args.dtype)
-    machine, shape = measure_machine(dtype), ModelShape.read(path, dtype)
+    machine, shape = measure_machine(dtype, config["device"]), ModelShape.read(path, dtype)
     if args.workload == "nanovllm" and args.engines == ",".join(ENGINES):
         args.engines = "nanoserve,static"  # transformers' engines here are greedy, not at temperature 0.6
     runners = {"nanoserve": lambda: run_nanoserve(path, workload, "continuous", **config),
                "static": lambda: run_nanoserve(path, workload, "static", **config),
-               "hf-generate": lambda: run_hf_generate(path, workload, args.dtype),
-               "hf-cb": lambda: run_hf_continuous(path, workload, args.dtype)}
+               "hf-generate": lambda: run_hf_generate(path, workload, args.dtype, config["device"]),
+               "hf-cb": lambda: run_hf_continuous(path, workload, args.dtype, config["device"])}
     results = []
     for name in args.engines.split(","):
         if name not in runners:

@@ -5,8 +5,9 @@ is computed once, where it is needed, and passed on as an argument or held by it
 - device (`device.resolve_device`: cuda if available, else cpu) -> the engine, the model runner;
 - max_model_len (the model's max_position_embeddings unless given: `LLMEngine.__init__`) -> the
   scheduler (length stop, static reservation) and the model runner (cache sizing);
-- dtype (`device.resolve_dtype`: the checkpoint's, bfloat16 on CUDA) and the attention backend
-  (`attention.select_backend`) -> the model runner, which loads the model with them;
+- dtype (`device.resolve_dtype`: the checkpoint's, bfloat16 on CUDA), the attention backend and the
+  block_size (`attention.select_attention`: flash and 256 where flash-attn 2 runs, else torch and
+  16) -> the model runner, which loads the model with them; block_size also -> the engine, the scheduler;
 - num_blocks (`ModelRunner.size_kv_cache` on rank 0 alone, from free memory, unless
   num_kvcache_blocks is given; broadcast to the other ranks) -> the KV cache and the block manager;
 - the tokenizer and the EOS token ids (tokenizer.py) -> the engine and the scheduler.
@@ -24,13 +25,13 @@ CPU_KV_CACHE_FRACTION = 0.1
 @dataclass(frozen=True)
 class Config:
     model: str
-    block_size: int = 16
+    block_size: int | str = "auto"            # "auto": 256 where flash-attn 2 runs, else 16 (see above)
     num_kvcache_blocks: int | None = None     # None: sized from memory (see model_runner)
     max_num_seqs: int = 256                   # requests running at once
     max_num_batched_tokens: int = 2048        # tokens per step: prefill chunks + decodes
     max_model_len: int | None = None          # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    dtype: str = "auto"                       # auto: the checkpoint's (float32 -> bfloat16 on CUDA)
+    dtype: str = "auto"                       # auto: the checkpoint's (float32 -> bfloat16 on CUDA, sm < 80: float16)
     device: str | None = None                 # None: cuda if available, else cpu; or "mps" (Apple)
     attention_backend: str = "auto"           # "auto" | "flash" | "torch"
     scheduling: str = "continuous"            # "continuous" | "static" (the baseline)
@@ -40,8 +41,10 @@ class Config:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
             raise ValueError(f"model must be a path to a model folder (str), got {self.model!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             check_positive_int(name, getattr(self, name))
+        if self.block_size != "auto":
+            check_positive_int("block_size", self.block_size)
         for name in ("num_kvcache_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))

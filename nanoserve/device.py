@@ -7,6 +7,7 @@ import re
 import warnings
 from pathlib import Path
 
+import numpy as np
 import psutil
 import torch
 
@@ -32,15 +33,16 @@ def resolve_dtype(name: str, device: torch.device, model: str | None = None,
                   cpuinfo: str = "/proc/cpuinfo") -> torch.dtype:
     """Config's dtype name -> torch dtype. "auto" follows the checkpoint, as transformers and vLLM do:
     the `dtype` (or older `torch_dtype`) in `model`'s config.json, float32 where it names none; on
-    CUDA float32 becomes bfloat16, which flash-attn needs. bfloat16 runs on any CPU, but without
-    native bf16 matmuls (x86 AVX512-BF16 or AMX, Arm BF16: flags in `cpuinfo`) it is slow: a warning says so."""
+    CUDA float32 becomes bfloat16 (flash-attn needs 16 bits), or float16 below compute capability 8.0,
+    which has no bfloat16 tensor cores (vLLM's rule). bfloat16 runs on any CPU, but without native
+    bf16 matmuls (x86 AVX512-BF16 or AMX, Arm BF16: flags in `cpuinfo`) it is slow: a warning says so."""
     if name == "auto":
         config_file = Path(model or "", "config.json")
         saved = json.loads(config_file.read_text()) if model and config_file.is_file() else {}
         name = saved.get("dtype") or saved.get("torch_dtype")
         dtype = getattr(torch, name) if name in ("float32", "bfloat16", "float16") else torch.float32
-        if device.type == "cuda" and dtype == torch.float32:
-            dtype = torch.bfloat16
+        if device.type == "cuda" and dtype != torch.float16:
+            dtype = torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
     else:
         dtype = getattr(torch, name)
     if dtype == torch.bfloat16 and device.type == "cpu":
@@ -57,3 +59,15 @@ def free_memory(device: torch.device) -> tuple[int, int]:
         return torch.cuda.mem_get_info(device)
     memory = psutil.virtual_memory()
     return memory.available, memory.total
+
+
+def upload(arrays: dict[str, np.ndarray | list], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Host arrays by name -> tensors on `device` in `dtype`, each of its array's shape: views of one
+    buffer that goes up in one copy. On CUDA that copy is from pinned memory with non_blocking=True:
+    it queues behind the GPU's work and the host goes on at once (from pageable memory, as in
+    torch.tensor(list, device="cuda"), the host may wait for the GPU to finish). On a CPU, no copy."""
+    flat = torch.from_numpy(np.concatenate([np.ravel(a) for a in arrays.values()])).to(dtype)
+    if torch.device(device).type == "cuda":
+        flat = flat.pin_memory()
+    parts = flat.to(device, non_blocking=True).split([np.size(a) for a in arrays.values()])
+    return {name: part.view(np.shape(a)) for (name, a), part in zip(arrays.items(), parts)}

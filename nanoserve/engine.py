@@ -46,7 +46,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={hf_config.max_position_embeddings}")
         # A block longer than the longest request wastes most of its slots; 256 (flash-attn's page) always fits.
-        if config.block_size > max(self.max_model_len, 256):
+        if config.block_size != "auto" and config.block_size > max(self.max_model_len, 256):
             raise ValueError(f"block_size={config.block_size} is larger than max_model_len={self.max_model_len} "
                              f"and than 256, flash-attn's page size")
         check_tensor_parallel(config.tensor_parallel_size, hf_config, self.device)
@@ -54,15 +54,15 @@ class LLMEngine:
         self.model_runner = runner(config, self.device, self.max_model_len)
         try:  # with tensor parallelism, a failure from here on must stop the workers just started
             self.vocab_size = self.model_runner.model.vocab_size
-            num_blocks = self.model_runner.num_blocks
-            if num_blocks - 1 < cdiv(self.max_model_len, config.block_size):
+            num_blocks, self.block_size = self.model_runner.num_blocks, self.model_runner.block_size
+            if num_blocks - 1 < cdiv(self.max_model_len, self.block_size):
                 raise ValueError(
-                    f"the KV cache has {num_blocks - 1} usable blocks of {config.block_size} slots "
-                    f"({(num_blocks - 1) * config.block_size} tokens), too few for one request of "
+                    f"the KV cache has {num_blocks - 1} usable blocks of {self.block_size} slots "
+                    f"({(num_blocks - 1) * self.block_size} tokens), too few for one request of "
                     f"max_model_len={self.max_model_len} tokens: raise num_kvcache_blocks or lower max_model_len")
             self.tokenizer = load_tokenizer(config.model)
             eos_token_ids = read_eos_token_ids(config.model, hf_config)
-            self.scheduler = Scheduler(config, num_blocks, self.max_model_len, eos_token_ids)
+            self.scheduler = Scheduler(config, num_blocks, self.block_size, self.max_model_len, eos_token_ids)
             self.requests: dict[str, Sequence] = {}  # unfinished requests by id
             self.aborted: list[RequestOutput] = []   # aborted since the last step, reported by the next
             self.request_counter = itertools.count()
@@ -153,7 +153,7 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never expected
             return StepResult(None, [], [], aborted, [])
         decode_ids = [seq.request_id for seq, n in scheduled if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens]
-        batch = build_batch(scheduled, self.config.block_size, self.device)
+        batch = build_batch(scheduled, self.block_size, self.device)
         sampling = [seq for seq, n in scheduled if samples_now(seq, n)]
         finished = self.scheduler.update(scheduled, self.model_runner.run(batch, scheduled))  # appends, stops, frees
         for seq in finished:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.attention import select_backend
-from nanoserve.batch import Batch, prompt_logprob_positions, samples_now
+from nanoserve.attention import select_attention
+from nanoserve.batch import Batch, build_batch, prompt_logprob_positions, samples_now
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config, cdiv
 from nanoserve.device import free_memory, resolve_dtype
 from nanoserve.distributed import Shard, broadcast_from_rank0
-from nanoserve.models.loader import load_model
-from nanoserve.sampler import Logprob, SamplerOutput, sample, top_logprobs
+from nanoserve.models.loader import load_model, read_config
+from nanoserve.sampler import Logprob, SamplerOutput, SamplingParams, sample, top_logprobs
 from nanoserve.sequence import Sequence
 
 
@@ -26,37 +26,65 @@ class ModelRunner:
     def __init__(self, config: Config, device: torch.device, max_model_len: int, shard: Shard = Shard()) -> None:
         self.shard, self.device = shard, device
         self.dtype = resolve_dtype(config.dtype, device, config.model)
-        self.backend = select_backend(config.attention_backend, device, config.block_size, self.dtype)
+        self.backend, self.block_size = select_attention(config.attention_backend, config.block_size, device,
+                                                         self.dtype, read_config(config.model).head_dim)
         self.model = load_model(config.model, self.dtype, device, self.backend, shard)
+        if device.type == "cuda":  # the largest step, once: its peak is what the KV cache leaves free
+            torch.cuda.reset_peak_memory_stats(device)
+            self.warm_up(config, max_model_len)
+            torch.cuda.empty_cache()  # the free memory read next counts the warm-up's as free
         # Rank 0 decides how many blocks; every rank's cache then holds as many, so one block table fits all.
-        num_blocks = (config.num_kvcache_blocks or self.size_kv_cache(config, max_model_len)) if shard.rank == 0 else None
+        num_blocks = config.num_kvcache_blocks or self.size_kv_cache(config, max_model_len) if shard.rank == 0 else None
         self.num_blocks: int = broadcast_from_rank0(num_blocks, shard)
-        needed, available = self.num_blocks * self.bytes_per_block(config.block_size), free_memory(device)[0]
+        needed, available = self.num_blocks * self.bytes_per_block(), free_memory(device)[0]
         if needed > available:
             raise ValueError(f"num_kvcache_blocks={self.num_blocks} needs {needed / 2**30:.2f} GiB for the KV cache, "
                              f"but only {available / 2**30:.2f} GiB of {device.type} memory is free")
-        # [2 (k and v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]: flash-attn's
-        # paged layout per layer (this rank's KV heads). Zeros, not empty: padding slots are read
-        # (and masked) by attention.
-        self.kv_cache = torch.zeros(2, self.model.num_layers, self.num_blocks, config.block_size,
-                                    self.model.num_kv_heads, self.model.head_dim, dtype=self.dtype, device=device)
+        self.kv_cache = self.allocate_kv_cache(self.num_blocks)
 
-    def bytes_per_block(self, block_size: int) -> int:
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """[2 (k and v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]: flash-attn's paged
+        layout per layer (this rank's KV heads). Zeros, not empty: padding slots are read (and masked)."""
+        m = self.model
+        return torch.zeros(2, m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_dim,
+                           dtype=self.dtype, device=self.device)
+
+    def bytes_per_block(self) -> int:
         """One block's KV bytes in this device's memory: this rank's, times the ranks sharing a CPU's RAM."""
         m, ranks_here = self.model, self.shard.size if self.device.type == "cpu" else 1
-        return ranks_here * 2 * m.num_layers * block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        return ranks_here * 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
 
     def size_kv_cache(self, config: Config, max_model_len: int) -> int:
-        """How many blocks fit the memory budget: `gpu_memory_utilization` of the GPU, or
-        CPU_KV_CACHE_FRACTION of available RAM; never more than every seat filled to max_model_len.
-        Too few for one request is an error the engine reports, never a cache over budget."""
+        """How many blocks fit the memory budget: `gpu_memory_utilization` of the GPU less what is in use
+        and the warm-up's peak above it (see warm_up), or CPU_KV_CACHE_FRACTION of available RAM (the
+        other 90% is far more than any step's activations); never more than every seat filled to
+        max_model_len. Too few for one request is an error the engine reports, never a cache over budget."""
         free, total = free_memory(self.device)
         if self.device.type == "cuda":
-            budget = free - (1 - config.gpu_memory_utilization) * total
+            peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+            budget = free - (1 - config.gpu_memory_utilization) * total - peak
         else:
             budget = CPU_KV_CACHE_FRACTION * free
-        most_needed = config.max_num_seqs * cdiv(max_model_len, config.block_size) + 1
-        return max(0, min(int(budget // self.bytes_per_block(config.block_size)), most_needed))
+        most_needed = config.max_num_seqs * cdiv(max_model_len, self.block_size) + 1
+        return max(0, min(int(budget // self.bytes_per_block()), most_needed))
+
+    @torch.inference_mode()
+    def warm_up(self, config: Config, max_model_len: int) -> None:
+        """Run the largest step the scheduler can make, once, on a throwaway KV cache: a forward over
+        max_num_batched_tokens prompt tokens (in requests of up to max_model_len), then sampling
+        max_num_seqs rows with top-k and top-p, the sampler's costliest path. Its peak (activations,
+        logits, the sampler's [rows, vocab] copies) is what the KV cache must leave free, as vLLM and
+        nano-vllm measure it. Every rank runs it: the forward's collectives need them all."""
+        seq_len = min(config.max_num_batched_tokens, max_model_len)
+        seqs = [Sequence(str(i), None, [0] * seq_len, SamplingParams())
+                for i in range(min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))]
+        for seq in seqs:  # all in the same blocks of a throwaway cache (block 0 is the null block)
+            seq.block_table = list(range(1, 1 + cdiv(seq_len, self.block_size)))
+        batch = build_batch([(seq, seq_len) for seq in seqs], self.block_size, self.device)
+        self.model(batch, self.allocate_kv_cache(1 + cdiv(seq_len, self.block_size)))
+        if self.shard.rank == 0:
+            logits = torch.zeros(config.max_num_seqs, self.model.vocab_size, device=self.device)
+            sample(logits, [SamplingParams(top_k=50, top_p=0.9)] * len(logits), [0] * len(logits))
 
     @torch.inference_mode()
     def run(self, batch: Batch, scheduled: list[tuple[Sequence, int]]) -> SamplerOutput:

@@ -12,7 +12,6 @@ import traceback
 import weakref
 from dataclasses import fields
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -123,10 +122,10 @@ class Workers:
         where tensors would each go through a shared-memory file (milliseconds a step)."""
         if not self.processes:
             raise RuntimeError("the tensor-parallel workers are stopped (closed, or after an error): create a new LLM")
-        arrays = {f.name: value.cpu().numpy() if isinstance(value := getattr(batch, f.name), torch.Tensor) else value
-                  for f in fields(batch)}
+        values = {f.name: getattr(batch, f.name) for f in fields(batch)}
+        tensors = {name: value.cpu().numpy() for name, value in values.items() if isinstance(value, torch.Tensor)}
         for pipe in self.pipes:
-            pipe.send(arrays)
+            pipe.send((tensors, {name: value for name, value in values.items() if name not in tensors}))
 
     def failure(self) -> RuntimeError | None:
         """After a step failed on rank 0: the error of the worker that failed or died, if one did."""
@@ -174,10 +173,10 @@ def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: o
         join_group(shard, store, device)
         runner = ModelRunner(config, device, max_model_len, shard)
         dist.barrier()
-        while (arrays := pipe.recv()) is not None:
-            batch = Batch(**{name: torch.from_numpy(value).to(runner.device) if isinstance(value, np.ndarray)
-                             else value for name, value in arrays.items()})
-            runner.run(batch, [])  # rank 0 samples
+        while (message := pipe.recv()) is not None:
+            tensors, others = message  # the Batch's tensors as numpy arrays, and its other fields
+            tensors = {name: torch.from_numpy(array).to(runner.device) for name, array in tensors.items()}
+            runner.run(Batch(**tensors, **others), [])  # rank 0 samples
     except EOFError:  # rank 0 is gone
         pass
     except BaseException:

@@ -43,11 +43,12 @@ ScheduledSeq = tuple[Sequence, int]  # a request and how many of its tokens run 
 class Scheduler:
     """Owns the queues (`waiting`, `running`) and the block manager; plans each step."""
 
-    def __init__(self, config: Config, num_blocks: int, max_model_len: int, eos_token_ids: set[int]) -> None:
+    def __init__(self, config: Config, num_blocks: int, block_size: int, max_model_len: int,
+                 eos_token_ids: set[int]) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is last
         self.num_preemptions = 0
@@ -114,7 +115,7 @@ class Scheduler:
             # Blocks enter the prefix cache when the step that fills them is scheduled: a request
             # admitted after another in this step shares the blocks that one fills (block_manager.py).
             cached_prefix = self.block_manager.find_cached_prefix(seq)
-            num_computed = len(cached_prefix) * self.config.block_size
+            num_computed = len(cached_prefix) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
             if not self.block_manager.allocate(seq, self.slots_to_reserve(seq, num_computed + num_new), cached_prefix,
                                                self.blocks_to_keep_free()):
@@ -153,7 +154,7 @@ class Scheduler:
         the cache can hold is always admitted. Static batching reserves whole requests instead."""
         if self.config.scheduling == "static":
             return 0
-        block_size = self.config.block_size
+        block_size = self.block_manager.block_size
         return sum(cdiv(min(seq.num_tokens + 2 * block_size, self.max_kv_len(seq)), block_size)
                    - len(seq.block_table) for seq in self.running)
 

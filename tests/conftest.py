@@ -1,4 +1,8 @@
-"""Tiny random Llamas built with transformers and saved to a temp folder: no hub, no downloads."""
+"""Tiny random Llamas built with transformers and saved to a temp folder: no hub, no downloads.
+
+Tests run on the CPU even where CUDA exists (LLM() would pick it, in bfloat16, against float32
+references), their subprocesses too; only tests marked `gpu` see the GPU, and they are skipped
+without one."""
 import functools
 import json
 import os
@@ -8,6 +12,21 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from nanoserve import SamplingParams
+
+HAS_CUDA = torch.cuda.is_available()  # asked before any test hides the GPU (CUDA reads its env once)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("gpu") and not HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+
+
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_gpu(request, monkeypatch):
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # for the subprocesses a test starts
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=256, max_position_embeddings=256,

@@ -3,20 +3,26 @@ tests/flash_reference.py (the plain per-request formulation) against a naive att
 loop by loop, then each backend against that reference."""
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
 import random
 import sys
 
+import numpy as np
 import pytest
 import torch
 
-import flash_reference
-from flash_reference import flash_attn_varlen_func, flash_attn_with_kvcache
-from nanoserve import attention
-from nanoserve.attention import BACKENDS, paged_attention, plan_attention, select_backend, store_kvcache
+from conftest import build_tiny_llama
+from conftest import reference as hf_reference
+from flash_reference import FlashReference, fake_flash_attn_module
+from nanoserve import LLMEngine, SamplingParams, attention
+from nanoserve.attention import BACKENDS, FlashBackend, paged_attention, plan_attention, select_attention, store_kvcache
 from nanoserve.batch import Batch
+from nanoserve.config import Config
+
+# flash-attn's checks, relaxed for these tests' float32 and pages of 1 to 16 tokens only
+RELAXED = FlashReference(page_multiple=1, allow_float32=True)
+flash_attn_varlen_func, flash_attn_with_kvcache = RELAXED.flash_attn_varlen_func, RELAXED.flash_attn_with_kvcache
 
 H, HKV, D = 4, 2, 8  # grouped-query attention: query heads 0,1 read kv head 0, heads 2,3 kv head 1
 
@@ -79,7 +85,8 @@ def batch_of(q_lens: list[int], k_lens: list[int], block_tables: torch.Tensor) -
                  seq_lens=torch.tensor(k_lens, dtype=torch.int32), cu_seqlens_k=cumsum0(k_lens),
                  block_tables=block_tables, logits_indices=cumsum0(q_lens)[1:].long() - 1,
                  next_token_ids=torch.empty(0, dtype=torch.int64),  # no prompt-logprob rows
-                 max_query_len=max(q_lens), max_seq_len=max(k_lens))
+                 max_query_len=max(q_lens), max_seq_len=max(k_lens),
+                 query_start_loc_cpu=cumsum0(q_lens).numpy(), seq_lens_cpu=np.array(k_lens))
 
 
 # ----------------------------------------------------------------------------- the reference itself
@@ -279,6 +286,8 @@ def walkthrough_prefill_batch() -> Batch:
         next_token_ids=torch.empty(0, dtype=torch.int64),  # no prompt-logprob rows
         max_query_len=7,
         max_seq_len=7,
+        query_start_loc_cpu=np.array([0, 5, 12, 15]),
+        seq_lens_cpu=np.array([5, 7, 3]),
     )
 
 
@@ -296,6 +305,8 @@ def walkthrough_decode_batch() -> Batch:
         next_token_ids=torch.empty(0, dtype=torch.int64),  # no prompt-logprob rows
         max_query_len=1,
         max_seq_len=8,
+        query_start_loc_cpu=np.array([0, 1, 2, 3]),
+        seq_lens_cpu=np.array([6, 8, 4]),
     )
 
 
@@ -315,13 +326,15 @@ def mixed_step_batch() -> Batch:
         next_token_ids=torch.empty(0, dtype=torch.int64),  # no prompt-logprob rows
         max_query_len=3,
         max_seq_len=9,
+        query_start_loc_cpu=np.array([0, 3, 4]),
+        seq_lens_cpu=np.array([9, 5]),
     )
 
 
 @pytest.fixture
 def flash_attn_is_the_reference(monkeypatch):
     """flash-attn cannot run here: the reference, which has its signatures, stands in for the package."""
-    monkeypatch.setitem(sys.modules, "flash_attn", flash_reference)
+    monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn_module(RELAXED))
 
 
 @pytest.mark.parametrize("name", ["torch", "flash"])
@@ -365,27 +378,86 @@ def test_backend_walkthrough(name: str, flash_attn_is_the_reference):
     assert k_cache[0].abs().sum() == 0
 
 
-def test_select_backend(monkeypatch):
-    cpu, cuda, bf16, fp32 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16, torch.float32
-    assert select_backend("auto", cpu, 16, fp32) == "torch"
-    assert select_backend("torch", cpu, 16, fp32) == "torch"
-    with pytest.raises(ValueError, match="auto"):
-        select_backend("flashinfer", cpu, 16, fp32)
-    with pytest.raises(ValueError, match="CUDA"):
-        select_backend("flash", cpu, 256, bf16)
-    with pytest.raises(ValueError, match="256"):
-        select_backend("flash", cuda, 16, bf16)
-    with pytest.raises(ValueError, match="bfloat16"):
-        select_backend("flash", cuda, 256, fp32)
-    assert select_backend("flash", cuda, 256, bf16) == "flash"
-    # "auto" takes flash only where it fits, so LLM(model) never fails for a default block_size
-    monkeypatch.setattr(attention, "flash_attn_importable", lambda: True)
-    assert select_backend("auto", cuda, 256, bf16) == "flash"
-    assert select_backend("auto", cuda, 16, bf16) == "torch"
-    assert select_backend("auto", cuda, 256, fp32) == "torch"
+# ----------------------------------------------------------------------------- choosing a backend on a GPU
+
+CUDA, BF16 = torch.device("cuda"), torch.bfloat16
 
 
-flash_attn_ready = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+def without_block_table(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                        softmax_scale=None, causal=False):
+    """flash_attn_varlen_func's signature before flash-attn 2.5.7: no paged KV cache."""
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """An NVIDIA sm90 GPU with flash-attn 2 installed, as far as select_attention can tell; a test
+    changes one condition at a time through the monkeypatch it returns."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn_module(FlashReference()))
+    return monkeypatch
+
+
+def test_flash_and_256_by_default_where_flash_attn_2_runs(gpu):
+    assert select_attention("auto", "auto", CUDA, BF16, 64) == ("flash", 256)
+    assert select_attention("auto", "auto", CUDA, torch.float16, 256) == ("flash", 256)
+    assert select_attention("flash", 512, CUDA, BF16, 64) == ("flash", 512)
+    # an explicit block_size that is no flash-attn page, or the torch backend asked for, keeps torch
+    assert select_attention("auto", 16, CUDA, BF16, 64) == ("torch", 16)
+    assert select_attention("torch", "auto", CUDA, BF16, 64) == ("torch", 16)
+    assert select_attention("auto", "auto", torch.device("cpu"), BF16, 64) == ("torch", 16)
+    with pytest.raises(ValueError, match="choose 'auto', 'torch' or 'flash'"):
+        select_attention("flashinfer", "auto", CUDA, BF16, 64)
+    with pytest.raises(ValueError, match="block_size=16 is not a multiple of 256"):
+        select_attention("flash", 16, CUDA, BF16, 64)
+
+
+def fa4_only(gpu, tmp_path):
+    """flash-attn 4 installs flash_attn/cute/ alone: `import flash_attn` finds a namespace package."""
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    gpu.delitem(sys.modules, "flash_attn")
+    gpu.syspath_prepend(str(tmp_path))
+
+
+REFUSALS = {  # how the condition is forced -> what the error names
+    "sm75 (T4)": (lambda gpu, _: gpu.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 5)), "7.5"),
+    "sm100 (B200)": (lambda gpu, _: gpu.setattr(torch.cuda, "get_device_capability", lambda d=None: (10, 0)), "10.0"),
+    "ROCm": (lambda gpu, _: gpu.setattr(torch.version, "hip", "6.2"), "ROCm"),
+    "not installed": (lambda gpu, _: gpu.setitem(sys.modules, "flash_attn", None), "not importable"),
+    "flash-attn 4 only": (fa4_only, "not importable"),
+    "before 2.5.7": (lambda gpu, _: gpu.setattr(sys.modules["flash_attn"], "flash_attn_varlen_func",
+                                                without_block_table), "2.5.7"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_flash_refused_where_it_cannot_run(case, gpu, tmp_path):
+    """"auto" falls back to torch with block_size 16; "flash" asked for is a ValueError naming why, at
+    start-up. The bug each catches: flash chosen where its first forward fails mid-run."""
+    force, reason = REFUSALS[case]
+    force(gpu, tmp_path)
+    assert select_attention("auto", "auto", CUDA, BF16, 64) == ("torch", 16)
+    with pytest.raises(ValueError, match=reason):
+        select_attention("flash", 256, CUDA, BF16, 64)
+
+
+@pytest.mark.parametrize("dtype, head_dim, reason", [(torch.float32, 64, "float16 or bfloat16"),
+                                                     (BF16, 12, "head_dim"), (BF16, 320, "head_dim")])
+def test_flash_refused_for_the_model(gpu, dtype, head_dim, reason):
+    assert select_attention("auto", "auto", CUDA, dtype, head_dim) == ("torch", 16)
+    with pytest.raises(ValueError, match=reason):
+        select_attention("flash", 256, CUDA, dtype, head_dim)
+
+
+def test_an_fa4_only_install_leaves_llm_unaffected(gpu, tmp_path, tiny_models):
+    fa4_only(gpu, tmp_path)
+    from nanoserve import LLM, SamplingParams
+    [out] = LLM(tiny_models["gqa"], device="cpu").generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))
+    assert len(out.outputs[0].token_ids) == 3
+
+
+flash_attn_ready = torch.cuda.is_available() and not attention.why_not_flash(torch.device("cuda"), BF16, 64)
 
 
 @pytest.mark.gpu
@@ -414,3 +486,55 @@ def test_flash_attn_matches_reference():
     expected = flash_attn.flash_attn_with_kvcache(q1, k_cache, v_cache, **kwargs)
     actual = flash_attn_with_kvcache(q1, k_cache, v_cache, **kwargs)
     torch.testing.assert_close(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+# ----------------------------------------------------------------------------- the flash branch, end to end
+
+@pytest.fixture(scope="module")
+def long_llama(tmp_path_factory) -> str:
+    """A tiny Llama with room for whole 256-token pages and a prefix hit on one."""
+    return build_tiny_llama(str(tmp_path_factory.mktemp("long") / "llama"), max_position_embeddings=1024)
+
+
+def run_flash_engine(path: str, reference_module: object, monkeypatch) -> tuple[dict[str, list[int]], list[list[int]]]:
+    """The engine's flash branch on the CPU, flash-attn replaced by `reference_module` and the GPU checks
+    passed (as on an sm90 GPU). Two requests first: a 10-token prompt and a 310-token one in chunks of
+    at most 128 tokens, so varlen steps mix prefill chunks with decodes. Once the long prompt is done,
+    two more: one sharing its first 300 tokens (a prefix hit on its first page, then a chunk after 256
+    cached tokens) and a short one. Returns the generated tokens by request id, and the prompts."""
+    monkeypatch.setitem(sys.modules, "flash_attn", reference_module)
+    monkeypatch.setattr(attention, "why_not_flash", lambda device, dtype, head_dim: None)
+    config = Config.from_kwargs(path, device="cpu", dtype="float32", max_num_batched_tokens=128, max_num_seqs=4)
+    engine = LLMEngine(config)
+    assert engine.block_size == 256 and isinstance(engine.model_runner.model.model.attention, FlashBackend)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (10, 310, 0, 7)]
+    prompts[2] = prompts[1][:300] + [rng.randrange(3, 256) for _ in range(20)]
+    tokens: dict[str, list[int]] = {}
+    for i in (0, 1):
+        engine.add_request(prompts[i], SamplingParams(temperature=0, max_tokens=12), request_id=str(i))
+    while engine.requests["1"].num_computed_tokens < 310:
+        tokens |= {o.request_id: o.outputs[0].token_ids for o in engine.step().outputs}
+    for i in (2, 3):
+        engine.add_request(prompts[i], SamplingParams(temperature=0, max_tokens=12), request_id=str(i))
+    while engine.has_unfinished_requests():
+        tokens |= {o.request_id: o.outputs[0].token_ids for o in engine.step().outputs}
+    return tokens, prompts
+
+
+def test_flash_branch_end_to_end_through_the_strict_reference(long_llama, monkeypatch):
+    """The flash backend's every call goes through flash_attn_varlen_func / flash_attn_with_kvcache as
+    the strict reference checks them (int32 contiguous lengths and block tables, the paged layout,
+    256-token pages, max_seqlen bounds), and the tokens equal transformers'. One relaxation, said
+    here: float32, which flash-attn refuses, so that greedy tokens can be compared exactly. Catches
+    query_start_loc passed for cu_seqlens_k, an int64 or misshapen block table, seq_lens off by
+    one, max_query_len for max_seq_len, decode-only steps sent to the wrong function."""
+    strict = FlashReference(allow_float32=True)
+    tokens, prompts = run_flash_engine(long_llama, fake_flash_attn_module(strict), monkeypatch)
+    assert [tokens[str(i)] for i in range(4)] == hf_reference(long_llama, prompts, [12] * 4)
+    varlen = [c for c in strict.calls if c["fn"] == "varlen"]
+    assert all(c["paged"] and c["causal"] for c in strict.calls)
+    # the steps this run must have reached: chunks mixed with decodes, a chunk after a prefix hit
+    assert any(1 in c["q_lens"] and max(c["q_lens"]) > 1 for c in varlen)
+    assert any(q > 1 and k - q >= 256 for c in varlen for q, k in zip(c["q_lens"], c["k_lens"]))  # the prefix hit
+    assert any(c["fn"] == "kvcache" for c in strict.calls)

@@ -10,21 +10,28 @@ import torch
 from conftest import build_tiny_llama
 
 import nanoserve
-from nanoserve import LLMEngine
+from nanoserve import LLMEngine, bench
 from nanoserve.bench import (Machine, ModelShape, OnlineRun, PeerRow, Step, main, make_workload, online_report,
                              parse_batched_bench, peer_table, run_transformers_batch, step_limit, stream_completion)
 from nanoserve.config import Config
 from nanoserve.serve import ServerThread, build_app
 
 
-def test_benchmark_runs_every_engine(tiny_models, tmp_path, capsys):
+def test_benchmark_runs_every_engine(tiny_models, tmp_path, capsys, monkeypatch):
+    """--device reaches every engine and the roofline (the bug: transformers and the roofline on the
+    CPU while nanoserve ran on the GPU)."""
+    devices = []
+    for name in ("load_hf", "measure_machine"):
+        real = getattr(bench, name)
+        monkeypatch.setattr(bench, name, lambda *args, real=real: devices.append(args[-1]) or real(*args))
     out = tmp_path / "bench.json"
     main(["--model", tiny_models["gqa"], "--num-requests", "4", "--input-len", "4-12", "--output-len", "2-6",
-          "--kv-cache-tokens", "256", "--json", str(out)])
+          "--kv-cache-tokens", "256", "--json", str(out), "--device", "cpu"])
     results = json.loads(out.read_text())["results"]
     assert [r["engine"] for r in results] == ["nanoserve", "static", "hf-generate", "hf-cb"]
     assert all(r["output_tokens"] > 0 and r["seconds"] > 0 for r in results)
-    assert "% of the roofline" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "% of the roofline" in printed and "on cpu" in printed and devices == ["cpu", "cpu", "cpu"]
 
 
 def test_online_mode_runs(tiny_models, capsys):

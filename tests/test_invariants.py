@@ -154,7 +154,7 @@ SAME_STEP_MID_BLOCK = Workload(
 @example(SAME_STEP_PREFIX_HIT)
 @example(SAME_STEP_MID_BLOCK)
 def test_random_workloads_keep_every_invariant(w: Workload):
-    sched = Scheduler(w.config, w.num_blocks, w.max_model_len, eos_token_ids=w.eos_token_ids)
+    sched = Scheduler(w.config, w.num_blocks, w.config.block_size, w.max_model_len, eos_token_ids=w.eos_token_ids)
     seqs = [Sequence(str(i), None, r.prompt, SamplingParams(temperature=0, max_tokens=r.max_tokens,
                                                             stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos,
                                                             prompt_logprobs=0 if r.prompt_logprobs else None))

@@ -76,6 +76,8 @@ def make_batch(prompts: list[list[int]], cached: list[int] | None = None) -> Bat
         next_token_ids=torch.empty(0, dtype=torch.int64),  # no prompt-logprob rows
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
+        query_start_loc_cpu=query_start_loc.numpy(),
+        seq_lens_cpu=seq_lens.numpy(),
     )
 
 
@@ -260,7 +262,8 @@ def write_config(folder: Path, **fields: object) -> str:
     return str(folder)
 
 
-def test_auto_dtype_follows_the_checkpoint(tmp_path):
+def test_auto_dtype_follows_the_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # only resolved here, nothing runs on CUDA
     fp32 = write_config(tmp_path / "fp32", dtype="float32")
     bf16 = write_config(tmp_path / "bf16", dtype="bfloat16")
@@ -273,6 +276,16 @@ def test_auto_dtype_follows_the_checkpoint(tmp_path):
     assert resolve_dtype("auto", cuda, fp32) == torch.bfloat16  # flash-attn needs 16 bits
     assert resolve_dtype("auto", cuda, unnamed) == torch.bfloat16
     assert resolve_dtype("float32", cpu, bf16) == torch.float32  # a name given wins
+
+
+@pytest.mark.parametrize("capability, saved, expected", [((7, 5), "float32", torch.float16),
+                                                         ((7, 5), "bfloat16", torch.float16),
+                                                         ((8, 0), "float32", torch.bfloat16),
+                                                         ((9, 0), "float16", torch.float16)])
+def test_float16_below_sm80(monkeypatch, tmp_path, capability, saved, expected):
+    """dtype "auto" on CUDA: bfloat16, but float16 where the GPU has no bfloat16 tensor cores (a T4)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert resolve_dtype("auto", torch.device("cuda"), write_config(tmp_path, dtype=saved)) == expected
 
 
 def test_bfloat16_on_a_cpu_without_native_bf16_warns(tmp_path):

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 import nanoserve.device as device_module
+import nanoserve.model_runner as model_runner_module
+from conftest import greedy, reference
 from nanoserve import LLM
-from nanoserve.attention import select_backend
-from nanoserve.config import CPU_KV_CACHE_FRACTION
+from nanoserve.attention import select_attention
+from nanoserve.config import CPU_KV_CACHE_FRACTION, Config
 from nanoserve.device import resolve_device
 
 Memory = namedtuple("Memory", "available total")
@@ -23,7 +25,7 @@ def test_kv_cache_is_sized_from_available_memory_without_linux_only_calls(tiny_m
     llm = LLM(tiny_models["gqa"], block_size=4, max_num_seqs=64)
     runner = llm.engine.model_runner
     # tiny model: 2 layers x 2 kv heads x head_dim 16 x 4 slots x k and v x 4 bytes = 2 KiB a block
-    assert runner.bytes_per_block(4) == 2048
+    assert runner.bytes_per_block() == 2048
     assert runner.num_blocks == int(CPU_KV_CACHE_FRACTION * 10 * 2**20 // 2048)
 
 
@@ -43,9 +45,32 @@ def test_mps_is_a_device_that_runs_the_torch_backend(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     device = resolve_device("mps")
     assert device.type == "mps"
-    assert select_backend("auto", device, 16, torch.float32) == "torch"
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        select_backend("flash", device, 256, torch.bfloat16)
+    assert select_attention("auto", "auto", device, torch.float32, 16) == ("torch", 16)
+    with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
+        select_attention("flash", 256, device, torch.bfloat16, 16)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     with pytest.raises(ValueError, match="'mps' is not available"):
         resolve_device("mps")
+
+
+def test_the_warm_up_peak_comes_off_the_gpu_budget(tiny_models, monkeypatch):
+    runner = LLM(tiny_models["gqa"], block_size=4).engine.model_runner  # 2 KiB a block (above)
+    monkeypatch.setattr(model_runner_module, "free_memory", lambda device: (10 * 2**20, 20 * 2**20))
+    monkeypatch.setattr(runner, "device", torch.device("cuda"))  # sizing only: nothing runs there
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 7 * 2**20)  # in the warm-up
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 * 2**20)  # after it
+    # 10 MiB free, less 10% of 20 MiB left to others, less the warm-up's 3 MiB peak: 5 MiB, 2560 blocks
+    assert runner.size_kv_cache(Config(model="unused", max_num_seqs=64), 256) == 2560
+
+
+def test_the_warm_up_runs_the_largest_step_on_a_throwaway_cache(tiny_models):
+    """On CUDA it runs before the cache is sized; here it is called on a running engine, which must
+    not notice: a warm-up writing into the real KV cache would change the tokens that follow."""
+    path, prompts = tiny_models["gqa"], [[5, 6, 7, 8, 9], [5, 6, 7, 8, 9, 10, 11]]
+    llm = LLM(path, block_size=4, max_num_batched_tokens=40, max_num_seqs=4, enable_prefix_caching=False)
+    first = llm.generate(prompts[:1], greedy(3), use_tqdm=False)
+    cache = llm.engine.model_runner.kv_cache.clone()
+    llm.engine.model_runner.warm_up(llm.engine.config, llm.engine.max_model_len)
+    assert torch.equal(llm.engine.model_runner.kv_cache, cache)
+    outputs = first + llm.generate(prompts[1:], greedy(3), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference(path, prompts, [3, 3])

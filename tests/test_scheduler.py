@@ -17,8 +17,8 @@ def sampled(token_ids: list[int]) -> SamplerOutput:
     """The model's sampled tokens for Scheduler.update, without logprobs."""
     return SamplerOutput(token_ids, [None] * len(token_ids), [])
 
-def make_scheduler(num_blocks: int = 64, **config) -> Scheduler:
-    return Scheduler(Config(model="unused", **config), num_blocks, max_model_len=1024, eos_token_ids=set())
+def make_scheduler(num_blocks: int = 64, block_size: int = 16, **config) -> Scheduler:
+    return Scheduler(Config(model="unused", **config), num_blocks, block_size, max_model_len=1024, eos_token_ids=set())
 
 
 def add(sched: Scheduler, prompt: list[int], max_tokens: int = 4, request_id: str | None = None) -> Sequence:
@@ -142,7 +142,7 @@ def test_continuous_batching_lets_a_new_request_join_mid_flight():
 
 
 def test_stop_token_eos_and_max_model_len():
-    sched = Scheduler(Config(model="unused"), 64, max_model_len=6, eos_token_ids={NEXT_TOKEN})
+    sched = Scheduler(Config(model="unused"), 64, 16, max_model_len=6, eos_token_ids={NEXT_TOKEN})
     eos = Sequence("eos", None, [1, 2], SamplingParams(max_tokens=5))
     ignore = Sequence("ignore", None, [1, 2], SamplingParams(max_tokens=10, ignore_eos=True))
     stop = Sequence("stop", None, [1, 2], SamplingParams(max_tokens=5, ignore_eos=True, stop_token_ids=[NEXT_TOKEN]))
@@ -182,7 +182,7 @@ def test_every_block_comes_back(scheduling):
 def test_a_chunk_shrinks_to_the_free_blocks_before_anyone_is_preempted():
     # 6 usable blocks of 4. `short` holds 2 blocks for its whole life (5 + 3 tokens); the 20-token
     # prompt needs the other 5 blocks but its last 8-token chunk finds only 4 of them free at first.
-    sched = Scheduler(Config(model="unused", block_size=4, max_num_batched_tokens=8), 7, max_model_len=24,
+    sched = Scheduler(Config(model="unused", max_num_batched_tokens=8), 7, 4, max_model_len=24,
                       eos_token_ids=set())
     short = add(sched, [1, 2, 3, 4, 5], max_tokens=4, request_id="short")
     step(sched)
@@ -197,7 +197,7 @@ def test_a_chunk_shrinks_to_the_free_blocks_before_anyone_is_preempted():
 
 
 def test_a_preempted_request_goes_back_ahead_of_those_already_waiting_and_nothing_joins_that_step():
-    sched = Scheduler(Config(model="unused", block_size=2, max_num_seqs=2), 7, max_model_len=12, eos_token_ids=set())
+    sched = Scheduler(Config(model="unused", max_num_seqs=2), 7, 2, max_model_len=12, eos_token_ids=set())
     old = add(sched, [1, 2, 3], max_tokens=10, request_id="old")
     new = add(sched, [4, 5, 6], max_tokens=10, request_id="new")
     late = add(sched, [7], max_tokens=1, request_id="late")  # waits: two seats only
@@ -213,8 +213,8 @@ def test_a_preempted_request_goes_back_ahead_of_those_already_waiting_and_nothin
 def test_a_step_that_preempted_admits_no_one():
     # new's 2 blocks come back when it is preempted; old takes one. new's next 2-token chunk would fit
     # the other at once, only to be preempted again as old grows: the step must not admit it.
-    config = Config(model="unused", block_size=2, max_num_batched_tokens=3, enable_prefix_caching=False)
-    sched = Scheduler(config, 5, max_model_len=8, eos_token_ids=set())
+    config = Config(model="unused", max_num_batched_tokens=3, enable_prefix_caching=False)
+    sched = Scheduler(config, 5, 2, max_model_len=8, eos_token_ids=set())
     old = add(sched, [1, 2], max_tokens=6, request_id="old")
     new = add(sched, [20, 21, 22, 23], max_tokens=4, request_id="new")
     while sched.num_preemptions == 0:
@@ -224,7 +224,7 @@ def test_a_step_that_preempted_admits_no_one():
 
 
 def test_num_cached_tokens_counts_prompt_hits_at_first_admission_only():
-    sched = Scheduler(Config(model="unused", block_size=2), 8, max_model_len=12, eos_token_ids=set())
+    sched = Scheduler(Config(model="unused"), 8, 2, max_model_len=12, eos_token_ids=set())
     add(sched, [1, 2, 3], max_tokens=8, request_id="old")
     new = add(sched, [4, 5, 6, 7, 8], max_tokens=6, request_id="new")
     for _ in range(20):  # until new is preempted; its full blocks stay in the prefix cache

@@ -1,0 +1,264 @@
+"""Check nanoserve on one GPU in one command, and print the results as one markdown table.
+
+    python scripts/gpu_check.py            # on a CUDA machine: a few minutes on one H200
+    python scripts/gpu_check.py --dry-run  # the same code on the CPU with tiny sizes (the test suite runs it)
+
+Needs torch, transformers and the test extra (pytest); flash-attn is optional, the network is not used
+(every model is built here with random weights). What it checks, each as rows of the table:
+  1. the environment: versions, the GPU and its compute capability, and what LLM() picks there
+     (attention backend, block_size, dtype), or why flash-attn cannot run;
+  2. `pytest -m gpu`: the tests that run the default path on CUDA against transformers;
+  3. the engine on the device against transformers on the same device: float32 token for token,
+     bfloat16 close (first tokens equal, 80% of all), through chunked prefill, preemption, more than
+     8 decode rows and prefix hits (tests/test_gpu.py's workload);
+  4. the flash contract: the engine's flash branch, its arrays on the device in bfloat16, through
+     the strict flash-attn reference (tests/flash_reference.py, flash-attn 2.8.3's checks, nothing
+     relaxed); and where flash-attn 2 runs, the real kernels, against transformers;
+  5. a random ~1B Llama decoding at batch sizes 1, 32, 256 against transformers `generate` on the same
+     GPU: tokens/s side by side and the share of equal tokens;
+  6. per decode step at batch 32: kernel launches and host syncs (torch.profiler);
+  7. peak memory against the budget: the KV cache, the peak allocated, gpu_memory_utilization x total.
+A failing check is a FAIL row (with its error), never the end of the run; the exit status is 1 if any failed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from test_gpu import ENGINE, agreement, hf_generate, run_engine, workload  # noqa: E402
+
+from flash_reference import FlashReference, fake_flash_attn_module  # noqa: E402
+from nanoserve import LLM, SamplingParams, attention  # noqa: E402
+from nanoserve.attention import select_attention  # noqa: E402
+from nanoserve.device import resolve_dtype  # noqa: E402
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=256, max_position_embeddings=256, initializer_range=0.1)
+ONE_B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+             intermediate_size=8192, vocab_size=32000, max_position_embeddings=2048)  # ~1.1B parameters
+DRY_ONE_B = dict(TINY, vocab_size=512, max_position_embeddings=512)
+Row = tuple[str, str, str]  # check, PASS | FAIL | SKIP | INFO, detail
+
+
+def build_llama(path: str, device: str, dtype: torch.dtype, **sizes: int) -> str:
+    """A random Llama saved to `path`, initialised on `device` (fast for ~1B on a GPU)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(bos_token_id=1, eos_token_id=2, **sizes))
+    model.to(dtype).save_pretrained(path)
+    return path
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def check_environment(device: str) -> list[Row]:
+    versions = {name: version(name) for name in ("torch", "transformers", "triton", "flash-attn")}
+    rows = [("versions", "INFO", ", ".join(f"{k} {v}" for k, v in versions.items()) + f", CUDA {torch.version.cuda}")]
+    dev = torch.device(device)
+    if device == "cuda":
+        name, capability = torch.cuda.get_device_name(), torch.cuda.get_device_capability(dev)
+        rows.append(("GPU", "INFO", f"{name}, compute capability {capability}, "
+                                    f"{torch.cuda.mem_get_info()[1] / 2**30:.0f} GiB"))
+    dtype = resolve_dtype("auto", dev)
+    for head_dim in (64, 128):
+        backend, block_size = select_attention("auto", "auto", dev, dtype, head_dim)
+        why = attention.why_not_flash(dev, dtype, head_dim)
+        rows.append((f"LLM() picks (head_dim {head_dim})", "INFO",
+                     f"{backend}, block_size {block_size}, {dtype}" + (f"; no flash: {why}" if why else "")))
+    return rows
+
+
+def version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def check_pytest_gpu(dry_run: bool) -> list[Row]:
+    """The gpu-marked tests (on the CPU, with --dry-run, they are all skipped: the run checks they collect)."""
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs",
+               str(ROOT / "tests" / ("test_gpu.py" if dry_run else ""))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    summary = (result.stdout.strip().splitlines() or ["no output"])[-1]
+    return [("pytest -m gpu", "PASS" if result.returncode == 0 else "FAIL", summary.replace("|", "/"))]
+
+
+def check_engine(path: str, device: str, max_tokens: int) -> list[Row]:
+    rows = []
+    for exact in (True, False):
+        config = dict(ENGINE, dtype="float32") if exact else dict(ENGINE, num_kvcache_blocks=None)
+        llm = LLM(path, device=device, **config)
+        ours, reached = run_engine(llm, workload(seed=2), max_tokens)
+        used = llm.engine.model_runner.dtype
+        theirs = hf_generate(path, workload(seed=2), max_tokens, device, used)
+        share = agreement(ours, theirs)
+        ok = ours == theirs if exact else [o[0] for o in ours] == [t[0] for t in theirs] and share >= 0.8
+        rows.append((f"engine vs transformers, {used}", "PASS" if ok else "FAIL",
+                     f"{'token-exact' if exact else 'close'}: {share:.1%} of tokens equal; backend "
+                     f"{llm.engine.model_runner.backend}, block_size {llm.engine.block_size}; reached {reached}"))
+    return rows
+
+
+def check_flash_contract(path: str, device: str, max_tokens: int) -> list[Row]:
+    """The engine's flash branch with flash-attn replaced by the strict reference (nothing relaxed), then,
+    where flash-attn 2 runs, by flash-attn itself."""
+    strict, saved = FlashReference(), (sys.modules.get("flash_attn"), attention.why_not_flash)
+    sys.modules["flash_attn"] = fake_flash_attn_module(strict)
+    attention.why_not_flash = lambda device, dtype, head_dim: None
+    try:
+        rows = [flash_row("flash branch through the strict reference", path, device, max_tokens, strict.calls)]
+    finally:
+        sys.modules["flash_attn"], attention.why_not_flash = saved
+        if saved[0] is None:
+            del sys.modules["flash_attn"]
+    why = attention.why_not_flash(torch.device(device), torch.bfloat16, 16)
+    if why:
+        return rows + [("flash-attn itself", "SKIP", why)]
+    return rows + [flash_row("flash-attn itself", path, device, max_tokens, [])]
+
+
+def flash_row(name: str, path: str, device: str, max_tokens: int, calls: list[dict]) -> Row:
+    llm = LLM(path, device=device, dtype="bfloat16", attention_backend="flash", max_num_batched_tokens=32)
+    prompts = workload(seed=3)
+    ours, _ = run_engine(llm, prompts, max_tokens)
+    theirs = hf_generate(path, prompts, max_tokens, device, torch.bfloat16)
+    share = agreement(ours, theirs)
+    ok = [o[0] for o in ours] == [t[0] for t in theirs] and share >= 0.8
+    mixed = sum(1 for c in calls if c["fn"] == "varlen" and 1 in c["q_lens"] and max(c["q_lens"]) > 1)
+    seen = f"; {len(calls)} checked calls ({mixed} varlen mixing chunks and decodes)" if calls else ""
+    return (name, "PASS" if ok else "FAIL", f"bfloat16 vs transformers: {share:.1%} of tokens equal{seen}")
+
+
+def check_decoding(path: str, device: str, batch_sizes: list[int], prompt_len: int, max_tokens: int) -> list[Row]:
+    """Decoding at each batch size, nanoserve and transformers side by side; then kernels and syncs per
+    decode step, and peak memory against the budget."""
+    utilization = 0.6  # the rest is left to transformers, which runs in the same process
+    llm = LLM(path, device=device, max_model_len=prompt_len + max_tokens, max_num_seqs=max(batch_sizes),
+              gpu_memory_utilization=utilization)
+    runner, rng, rows = llm.engine.model_runner, random.Random(0), []
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = {b: [[rng.randrange(3, 500) for _ in range(prompt_len)] for _ in range(b)] for b in batch_sizes}
+    ours, seconds = {}, {}
+    for b in batch_sizes:
+        sync(device)
+        start = time.perf_counter()
+        ours[b] = [o.outputs[0].token_ids for o in llm.generate(prompts[b], params, use_tqdm=False)]
+        sync(device)
+        seconds[b] = time.perf_counter() - start
+    rows.append(profile_decode(llm, device, prompts[batch_sizes[min(1, len(batch_sizes) - 1)]], max_tokens))
+    rows.append(memory_row(llm, device, utilization))
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=runner.dtype).to(device).eval()
+    for b in batch_sizes:
+        ids = torch.tensor(prompts[b], device=device)
+        sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+                              min_new_tokens=max_tokens, pad_token_id=0)
+        sync(device)
+        theirs = (out[:, prompt_len:]).tolist()
+        ratio = (seconds_hf := time.perf_counter() - start) / seconds[b]
+        rows.append((f"decode B={b}, {runner.dtype}", "INFO",
+                     f"nanoserve {b * max_tokens / seconds[b]:.0f} tok/s, "
+                     f"transformers {b * max_tokens / seconds_hf:.0f}"
+                     f" tok/s (nanoserve {ratio:.2f}x); {agreement(ours[b], theirs):.1%} of tokens equal; "
+                     f"backend {runner.backend}, block_size {llm.engine.block_size}"))
+    return rows
+
+
+def profile_decode(llm: LLM, device: str, prompts: list[list[int]], max_tokens: int, steps: int = 10) -> Row:
+    """Kernel launches and host syncs per decode step, with every request decoding."""
+    from torch.profiler import ProfilerActivity, profile
+    engine = llm.engine
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.requests.values()):
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync(device)
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = prof.events()
+    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    waits = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+    syncs = sum(1 for e in events if e.name in waits)
+    reads = sum(1 for e in events if e.name == "aten::_local_scalar_dense")
+    return (f"per decode step, B={len(prompts)}", "INFO", f"{kernels / steps:.0f} kernel launches, {syncs / steps:.1f} "
+            f"host syncs, {reads / steps:.1f} scalar reads (item/tolist)")
+
+
+def memory_row(llm: LLM, device: str, utilization: float) -> Row:
+    runner = llm.engine.model_runner
+    kv = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    if device != "cuda":
+        return ("peak memory vs KV budget", "SKIP", f"KV cache {kv / 2**20:.0f} MiB; the peak is measured on CUDA only")
+    peak, total = torch.cuda.max_memory_allocated(), torch.cuda.mem_get_info()[1]
+    ok = peak <= utilization * total
+    return ("peak memory vs KV budget", "PASS" if ok else "FAIL",
+            f"peak allocated {peak / 2**30:.1f} GiB (KV cache {kv / 2**30:.1f} GiB, {runner.num_blocks} blocks) "
+            f"<= gpu_memory_utilization {utilization} x {total / 2**30:.0f} GiB = {utilization * total / 2**30:.1f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="the same checks on the CPU with tiny sizes")
+    parser.add_argument("--out", help="also write the table to this file")
+    args = parser.parse_args()
+    device = "cpu" if args.dry_run else "cuda"
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("no CUDA device here: run with --dry-run to check the script on the CPU")
+    folder = tempfile.mkdtemp(prefix="gpu_check_")
+    tiny = build_llama(f"{folder}/tiny", device, torch.float32, **TINY)
+    big = build_llama(f"{folder}/big", device, torch.bfloat16, **(DRY_ONE_B if args.dry_run else ONE_B))
+    decode = ([1, 4, 8], 16, 8) if args.dry_run else ([1, 32, 256], 128, 128)
+    max_tokens = 6 if args.dry_run else 16  # per request of the tiny model's workload
+    checks = [("environment", lambda: check_environment(device)),
+              ("pytest -m gpu", lambda: check_pytest_gpu(args.dry_run)),
+              ("engine vs transformers", lambda: check_engine(tiny, device, max_tokens)),
+              ("flash contract", lambda: check_flash_contract(tiny, device, max_tokens)),
+              ("decoding", lambda: check_decoding(big, device, *decode))]
+    rows: list[Row] = []
+    for name, check in checks:
+        start = time.perf_counter()
+        try:
+            rows += check()
+        except Exception as error:  # one failed check is a row, the others still run
+            traceback.print_exc()
+            rows.append((name, "FAIL", f"{type(error).__name__}: {error}".replace("\n", " ")[:300]))
+        print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    table = "\n".join(["| check | result | detail |", "|---|---|---|"] + [f"| {c} | {r} | {d} |" for c, r, d in rows])
+    table = f"{'Dry run on the CPU' if args.dry_run else 'On ' + torch.cuda.get_device_name()}:\n\n{table}\n"
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table)
+    return 1 if any(r == "FAIL" for _, r, _ in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
