@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import platform
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -19,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
+from nanoserve import device
 from nanoserve.batch import Batch
 from nanoserve.device import resolve_dtype
 from nanoserve.layers.linear import PackedLinear
@@ -260,7 +265,8 @@ def write_config(folder: Path, **fields: object) -> str:
     return str(folder)
 
 
-def test_auto_dtype_follows_the_checkpoint(tmp_path):
+def test_auto_dtype_follows_the_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(device, "has_native_bf16", lambda: True)  # a CPU with AVX512-BF16 or AMX
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # only resolved here, nothing runs on CUDA
     fp32 = write_config(tmp_path / "fp32", dtype="float32")
     bf16 = write_config(tmp_path / "bf16", dtype="bfloat16")
@@ -275,14 +281,29 @@ def test_auto_dtype_follows_the_checkpoint(tmp_path):
     assert resolve_dtype("float32", cpu, bf16) == torch.float32  # a name given wins
 
 
-def test_bfloat16_on_a_cpu_without_native_bf16_warns(tmp_path):
-    avx2 = tmp_path / "avx2"
-    avx2.write_text("flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\n")
-    with pytest.warns(UserWarning, match="slow"):
-        resolve_dtype("bfloat16", torch.device("cpu"), cpuinfo=str(avx2))
-    native = tmp_path / "native"
-    native.write_text("flags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16\n")
+def test_auto_dtype_never_emulates_bfloat16(tmp_path, monkeypatch, caplog):
+    """Without native bf16 matmuls "auto" runs a bfloat16 checkpoint in float32 and logs one line
+    saying why; bfloat16 asked for by name obeys, with a warning. Catches "auto" picking an
+    emulated dtype (2-5x slower at batch decode on an AVX2 CPU), or overruling an explicit name."""
+    monkeypatch.setattr(device, "has_native_bf16", lambda: False)
+    bf16 = write_config(tmp_path / "bf16", dtype="bfloat16")
+    cpu = torch.device("cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolve_dtype("bfloat16", torch.device("cpu"), cpuinfo=str(native)) == torch.bfloat16
-        assert resolve_dtype("float32", torch.device("cpu"), cpuinfo=str(avx2)) == torch.float32
+        assert resolve_dtype("auto", cpu, bf16) == torch.float32
+        assert resolve_dtype("float32", cpu, bf16) == torch.float32
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "float32" in caplog.records[0].message
+    with pytest.warns(UserWarning, match="slow"):
+        assert resolve_dtype("bfloat16", cpu, bf16) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda"), bf16) == torch.bfloat16  # the rule is the CPU's
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="oneDNN's ISA names are x86's")
+def test_no_native_bfloat16_under_avx2_emulation() -> None:
+    """With oneDNN held to AVX2 (how an AVX2 laptop is approximated on an AVX-512 machine), bf16 is
+    not native, whatever /proc/cpuinfo says. Catches a check that reads the CPU's flags only."""
+    env = os.environ | {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    code = "from nanoserve.device import has_native_bf16; print(has_native_bf16())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parents[1], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "False"
