@@ -26,6 +26,7 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from nanoserve import device
 from nanoserve.batch import Batch
 from nanoserve.device import resolve_dtype
+from nanoserve.layers import linear
 from nanoserve.layers.linear import PackedLinear
 from nanoserve.models import loader
 from nanoserve.models.loader import load_model
@@ -119,24 +120,53 @@ def test_prefill_matches_transformers(tmp_path: Path, overrides: dict) -> None:
     assert_same_logits(run_prefill(tmp_path, PROMPT), reference_logits(hf_model, PROMPT))
 
 
-def test_tied_checkpoint_has_no_lm_head(tmp_path: Path) -> None:
+def test_tied_checkpoint_has_no_lm_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     save_llama(tmp_path, tie_word_embeddings=True)
     assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    monkeypatch.setattr(linear, "choose_linear", lambda dtype: "column_major")
     model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.lm_head.weight.is_contiguous()  # row-major, as the embedding's row lookups want it
 
 
-def test_float32_linears_are_column_major(tmp_path: Path) -> None:
-    """On CPU in float32 every (untied) linear weight is stored column-major, the layout MKL multiplies
-    fastest (layers/linear.py), holding the checkpoint's values. Catches the layout silently lost:
-    outputs would stay exact and only the speed drop."""
-    hf_model = save_llama(tmp_path)
+@pytest.mark.parametrize("layout", ["column_major", "packed", "row_major"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_every_linear_layout_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str,
+                                                  tied: bool) -> None:
+    """Whatever `choose_linear` picks for this CPU (forced here), the model holds the checkpoint's
+    weights in that layout and float32 logits equal transformers' for a prefill and a decode step.
+    Catches a layout silently lost (only the speed would drop), a packed weight transposed or a tied
+    lm_head packed from the wrong matrix."""
+    if layout == "packed" and not linear.has_onednn(torch.float32):
+        pytest.skip("oneDNN float32 is used (and measured) on x86 only")
+    hf_model = save_llama(tmp_path, tie_word_embeddings=tied)
+    monkeypatch.setattr(linear, "choose_linear", lambda dtype: layout)
     model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
     assert len(linears) == 2 * 4 + 1  # 4 per layer + lm_head
-    assert all(m.weight.stride() == (1, m.weight.shape[0]) for m in linears)
-    assert torch.equal(model.lm_head.weight, hf_model.lm_head.weight)
+    if layout == "packed":
+        assert all(isinstance(m, PackedLinear) for m in linears)
+    else:  # column-major: strides (1, out); a tied lm_head stays the (row-major) embedding
+        column = [layout == "column_major" and m.weight is not model.model.embed_tokens.weight for m in linears]
+        assert [m.weight.stride() == (1, m.weight.shape[0]) for m in linears] == column
+    kv_cache = empty_kv_cache(model)
+    with torch.inference_mode():
+        prefill = model(make_batch([PROMPT]), kv_cache)
+        decode = model(make_batch([[42]], cached=[len(PROMPT)]), kv_cache)
+    assert_same_logits(prefill, reference_logits(hf_model, PROMPT))
+    assert_same_logits(decode[0], reference_logits(hf_model, PROMPT + [42])[-1])
+
+
+def test_choose_linear_by_what_onednn_does_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN-packed where oneDNN multiplies the dtype; else column-major float32 and row-major
+    bfloat16. Catches an emulated bf16 packed on an AVX2 CPU, or float32 losing its layout there."""
+    monkeypatch.setattr(linear, "has_onednn", lambda dtype: True)
+    assert [linear.choose_linear(d) for d in (torch.float32, torch.bfloat16)] == ["packed", "packed"]
+    monkeypatch.setattr(linear, "has_onednn", lambda dtype: dtype == torch.float32)  # an AVX2 x86 CPU
+    assert [linear.choose_linear(d) for d in (torch.float32, torch.bfloat16)] == ["packed", "row_major"]
+    monkeypatch.setattr(linear, "has_onednn", lambda dtype: False)  # Arm, or torch without oneDNN
+    assert [linear.choose_linear(d) for d in (torch.float32, torch.bfloat16)] == ["column_major", "row_major"]
+    assert linear.choose_linear(torch.float16) == "row_major"
 
 
 def test_old_style_rope_scaling(tmp_path: Path) -> None:
@@ -190,7 +220,7 @@ def test_bfloat16_load(tmp_path: Path) -> None:
     assert model.model.rotary.inv_freq.dtype == torch.float32  # RoPE angles stay float32
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PackedLinear needs a torch built with oneDNN")
+@pytest.mark.skipif(not linear.has_onednn(torch.bfloat16), reason="oneDNN has no bfloat16 kernels on this CPU")
 def test_packed_linears_equal_nn_linear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """bfloat16 on CPU runs its matmuls through PackedLinear (pack_linears): the same logits, bit for
     bit, as the reference nn.Linear model, for a prefill and a decode step. Catches a packed weight
@@ -301,9 +331,10 @@ def test_auto_dtype_never_emulates_bfloat16(tmp_path, monkeypatch, caplog):
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="oneDNN's ISA names are x86's")
 def test_no_native_bfloat16_under_avx2_emulation() -> None:
     """With oneDNN held to AVX2 (how an AVX2 laptop is approximated on an AVX-512 machine), bf16 is
-    not native, whatever /proc/cpuinfo says. Catches a check that reads the CPU's flags only."""
+    not native and not packed, whatever /proc/cpuinfo says. Catches a check of the CPU's flags only."""
     env = os.environ | {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
-    code = "from nanoserve.device import has_native_bf16; print(has_native_bf16())"
+    code = "import torch; from nanoserve import device; from nanoserve.layers import linear; " \
+           "print(device.has_native_bf16(), linear.has_onednn(torch.bfloat16))"
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parents[1], capture_output=True,
                          text=True, check=True).stdout
-    assert out.strip() == "False"
+    assert out.split() == ["False", "False"]
