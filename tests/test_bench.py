@@ -21,7 +21,12 @@ def test_benchmark_runs_every_engine(tiny_models, tmp_path, capsys):
     results = json.loads(out.read_text())["results"]
     assert [r["engine"] for r in results] == ["nanoserve", "static", "hf-generate", "hf-cb"]
     assert all(r["output_tokens"] > 0 and r["seconds"] > 0 for r in results)
-    assert "% of the roofline" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "% of the roofline" in out
+    # the CPU it ran on, as torch sees it: catches a table that cannot say which machine class it measured
+    cpu = next(line for line in out.splitlines() if line.startswith("CPU: "))
+    assert f"torch capability {torch.backends.cpu.get_cpu_capability()};" in cpu
+    assert f"{torch.get_num_threads()} threads" in cpu and ("no-avx2" in cpu) != torch.cpu._is_avx2_supported()
 
 
 def test_online_mode_runs(tiny_models, capsys):
