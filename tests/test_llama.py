@@ -22,12 +22,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from nanoserve import device
 from nanoserve.batch import Batch
 from nanoserve.device import resolve_dtype
 from nanoserve.layers import linear
 from nanoserve.layers.linear import PackedLinear
+from nanoserve.layers.rotary_embedding import RotaryEmbedding, apply_rope
 from nanoserve.models import loader
 from nanoserve.models.loader import load_model
 
@@ -167,6 +169,20 @@ def test_choose_linear_by_what_onednn_does_here(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(linear, "has_onednn", lambda dtype: False)  # Arm, or torch without oneDNN
     assert [linear.choose_linear(d) for d in (torch.float32, torch.bfloat16)] == ["column_major", "row_major"]
     assert linear.choose_linear(torch.float16) == "row_major"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_transformers_bit_for_bit(dtype: torch.dtype) -> None:
+    """apply_rope with RotaryEmbedding's signed sin is HF's apply_rotary_pos_emb, bit for bit, at
+    positions up to 3000. Catches the wrong half of sin negated, or a rounding a tolerance would hide."""
+    rotary, positions = RotaryEmbedding(16, {"rope_theta": 10000.0}), torch.arange(0, 3000, 7)
+    freqs = positions[:, None].float() * rotary.inv_freq
+    hf_cos, hf_sin = torch.cat((freqs, freqs), -1).cos().to(dtype), torch.cat((freqs, freqs), -1).sin().to(dtype)
+    q, k = torch.randn(2, len(positions), 4, 16).to(dtype)  # [N, heads, D] each
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos[None], hf_sin[None])
+    cos, signed_sin = rotary(positions, dtype)
+    assert torch.equal(apply_rope(q, cos, signed_sin), hf_q[0].transpose(0, 1))  # HF: [batch, heads, N, D]
+    assert torch.equal(apply_rope(k, cos, signed_sin), hf_k[0].transpose(0, 1))
 
 
 def test_old_style_rope_scaling(tmp_path: Path) -> None:
