@@ -27,7 +27,7 @@ class ModelRunner:
         self.shard, self.device = shard, device
         self.dtype = resolve_dtype(config.dtype, device, config.model)
         self.backend = select_backend(config.attention_backend, device, config.block_size, self.dtype)
-        self.model = load_model(config.model, self.dtype, device, self.backend, shard)
+        self.model = load_model(config.model, self.dtype, device, self.backend, shard, config.max_num_seqs)
         # Rank 0 decides how many blocks; every rank's cache then holds as many, so one block table fits all.
         num_blocks = (config.num_kvcache_blocks or self.size_kv_cache(config, max_model_len)) if shard.rank == 0 else None
         self.num_blocks: int = broadcast_from_rank0(num_blocks, shard)

@@ -11,6 +11,7 @@ from nanoserve import LLM
 from nanoserve.attention import select_backend
 from nanoserve.config import CPU_KV_CACHE_FRACTION
 from nanoserve.device import resolve_device
+from nanoserve.layers import linear
 
 Memory = namedtuple("Memory", "available total")
 
@@ -49,3 +50,14 @@ def test_mps_is_a_device_that_runs_the_torch_backend(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     with pytest.raises(ValueError, match="'mps' is not available"):
         resolve_device("mps")
+
+
+@pytest.mark.skipif(not linear.has_onednn(torch.float32), reason="float32 runs column-major wherever oneDNN does not")
+def test_one_request_at_a_time_keeps_float32_linears_column_major(tiny_models):
+    """max_num_seqs=1 (every decode step one row) is the latency switch: column-major float32, faster
+    than oneDNN-packed at one row; a batching engine gets the packed weights. Catches the engine's
+    max_num_seqs not reaching the loader."""
+    def linears(max_num_seqs: int) -> set[type]:
+        model = LLM(tiny_models["gqa"], block_size=4, max_num_seqs=max_num_seqs).engine.model_runner.model
+        return {type(m) for m in model.modules() if isinstance(m, (torch.nn.Linear, linear.PackedLinear))}
+    assert linears(1) == {torch.nn.Linear} and linears(2) == {linear.PackedLinear}

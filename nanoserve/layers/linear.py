@@ -44,28 +44,29 @@ def has_onednn(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and platform.machine().lower() in ("x86_64", "amd64")
 
 
-def choose_linear(dtype: torch.dtype) -> str:
+def choose_linear(dtype: torch.dtype, max_num_seqs: int) -> str:
     """How this CPU multiplies a `dtype` weight fastest at the engine's shapes, decided from what the CPU
-    and torch support (measured figures: README, "Where a decode step's time goes"):
+    and torch support (measured figures: README, "Which CPU"):
       * "packed" (PackedLinear): bfloat16 where oneDNN has bf16 kernels; float32 on x86, where oneDNN took
-        0.5-0.75x of MKL's time at decode batches of 8-48 rows and 0.6-0.9x at prefill, on AVX-512 and
-        AVX2 CPUs alike. At one row it took 1.15-1.4x: the choice is for throughput.
-      * "column_major": float32 elsewhere (Arm, a torch without oneDNN), as MKL or OpenBLAS likes it;
+        0.45-0.7x MKL's time at decode batches of 8-48 rows and ~0.8x at prefill, on AVX-512 and AVX2
+        CPUs alike, but 1.2x at one row: so not when `max_num_seqs` is 1 (every decode step one row);
+      * "column_major": float32 otherwise (and on Arm, or a torch without oneDNN);
       * "row_major": nn.Linear as loaded (bfloat16 without oneDNN's kernels, where it is emulated)."""
-    if has_onednn(dtype):
+    if has_onednn(dtype) and (dtype == torch.bfloat16 or max_num_seqs > 1):
         return "packed"
     return "column_major" if dtype == torch.float32 else "row_major"
 
 
-def pack_linears(model: nn.Module) -> nn.Module:
+def pack_linears(model: nn.Module, max_num_seqs: int) -> nn.Module:
     """Give every bias-free nn.Linear of a loaded CPU model the implementation `choose_linear` picks for
-    its dtype. A float32 weight tied to the embedding stays row-major rather than column-major: a
-    column-major copy would be a second vocab x hidden matrix, and the embedding's row lookups want rows."""
+    its dtype and the engine's `max_num_seqs`. A float32 weight tied to the embedding stays row-major
+    rather than column-major: a column-major copy would be a second vocab x hidden matrix, and the
+    embedding's row lookups want rows."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or module.bias is not None or module.weight.device.type != "cpu":
             continue
-        layout = choose_linear(module.weight.dtype)
+        layout = choose_linear(module.weight.dtype, max_num_seqs)
         if layout == "column_major" and id(module.weight) not in embeddings:
             module.weight = nn.Parameter(column_major(module.weight), requires_grad=False)
         elif layout == "packed":
