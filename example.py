@@ -22,7 +22,8 @@ PROMPTS = [  # (prompt, sampling): greedy, or top-p with a seed so every run pri
     (OPENING + ", must be in want of a wife.", GREEDY),
     ("Mr. Darcy looked at her, and", SamplingParams(temperature=0.7, top_p=0.9, seed=2, max_tokens=40)),
     ("The weather was fine, and the whole party set off for", GREEDY),
-    ("\"I cannot think what you mean,\" said Emma.", SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=64)),
+    ("\"I cannot think what you mean,\" said Emma.",
+     SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=64)),
     ("Hello, my name is", GREEDY),
 ]
 LATE_PROMPT, LATE_STEP = (OPENING + " is", SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=40)), 3
@@ -56,7 +57,8 @@ class Stats:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="a local Llama checkpoint folder (default: the bundled one)")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="a local Llama checkpoint folder (default: the bundled one)")
     parser.add_argument("--trace", nargs="?", type=int, const=4, default=0, metavar="STEPS",
                         help="print the first STEPS steps (default 4) the way the walkthrough shows them")
     args = parser.parse_args()

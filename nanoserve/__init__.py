@@ -1,11 +1,11 @@
 """nanoserve: a small, readable LLM inference engine with continuous batching over a paged KV cache."""
 from pathlib import Path
 
+from nanoserve.batch import Batch
 from nanoserve.config import Config
 from nanoserve.engine import LLMEngine
 from nanoserve.llm import LLM
 from nanoserve.outputs import RequestDelta, RequestOutput, StepResult
-from nanoserve.batch import Batch
 from nanoserve.sampler import SamplingParams
 
 # A tiny Llama trained on Jane Austen's novels, shipped as package data (scripts/train_tiny_llama.py).

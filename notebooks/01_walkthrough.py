@@ -33,8 +33,9 @@ MODEL = nanoserve.DEFAULT_MODEL  # the bundled trained tiny Llama; prompts are t
 # %%
 import matplotlib.pyplot as plt
 
+from block_map import plot_block_map  # notebooks/block_map.py, beside this notebook
 from nanoserve import LLM, SamplingParams
-from nanoserve.trace import format_step, plot_block_map
+from nanoserve.trace import format_step
 
 # %% [markdown]
 # ## The setup

@@ -39,9 +39,10 @@ import random
 
 import matplotlib.pyplot as plt
 
+from block_map import plot_block_map  # notebooks/block_map.py, beside this notebook
 from nanoserve import LLM, SamplingParams
 from nanoserve.block_manager import hash_block
-from nanoserve.trace import format_step, plot_block_map
+from nanoserve.trace import format_step
 
 torch.set_num_threads(1)  # a small model: one thread is enough
 

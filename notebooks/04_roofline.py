@@ -232,7 +232,8 @@ assert speedup > 2  # batching decodes pays, whatever the machine
 #   batching keeps as many decodes in every step as memory allows, and why the KV cache's size,
 #   which bounds how many requests can run at once, bounds throughput.
 # - A CPU core's ridge sits at a few FLOP/byte (this one's is printed above), so decode turns
-#   compute-bound after a batch of a few requests (the printed crossing). A datacenter GPU has roughly a hundred times more compute
+#   compute-bound after a batch of a few requests (the printed crossing). A datacenter GPU has roughly
+#   a hundred times more compute
 #   but only tens of times more bandwidth (around 1000 TFLOP/s of bfloat16 against 3-5 TB/s): its
 #   ridge is a few hundred FLOP/byte, so decode stays memory-bound up to batches of hundreds.
 # - A prefill of a few hundred tokens is compute-bound on either: chunked prefill mixes prompt chunks

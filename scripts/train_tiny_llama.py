@@ -111,7 +111,8 @@ def read_novels(data: Path) -> dict[str, list[str]]:
     return novels
 
 
-HEADING = re.compile(r"(?i)(chapter|volume) \w+\.?|by( jane austen)?( \(\d{4}\))?|\(\d{4}\)|jane austen|persuasion|the end|finis")
+HEADING = re.compile(r"(?i)(chapter|volume) \w+\.?|by( jane austen)?( \(\d{4}\))?|\(\d{4}\)"
+                     r"|jane austen|persuasion|the end|finis")
 
 
 def paragraphs(lines: list[str]) -> list[str]:

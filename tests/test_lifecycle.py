@@ -1,6 +1,5 @@
 """A request's life in the engine: aborts in every state, blocks back in the step a request ends,
 memory pressure, metrics, start-up checks, bad input that leaves the engine serving, determinism."""
-import math
 import random
 import shutil
 from collections.abc import Callable
@@ -253,7 +252,8 @@ def test_generate_returns_when_one_of_its_requests_is_aborted(tiny_models):
     outputs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)
     assert outputs[1].finish_reason == "abort" and 0 < len(outputs[1].token_ids) < MAX_TOKENS[1]
     assert outputs[1].token_ids == reference(path)[1][:len(outputs[1].token_ids)]
-    assert [o.token_ids for i, o in enumerate(outputs) if i != 1] == [r for i, r in enumerate(reference(path)) if i != 1]
+    expected = reference(path)
+    assert [o.token_ids for i, o in enumerate(outputs) if i != 1] == [r for i, r in enumerate(expected) if i != 1]
     assert llm.engine.stats()["num_free_blocks"] == llm.engine.model_runner.num_blocks - 1
 
 

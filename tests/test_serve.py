@@ -6,6 +6,7 @@ import shutil
 import socket
 import threading
 import time
+from dataclasses import replace
 
 import httpx
 import openai
@@ -149,8 +150,9 @@ def test_a_list_of_prompts_is_one_choice_each_in_order(server, offline):
 # Catches: ignore_eos not passed to the engine (the request stops at EOS).
 def test_ignore_eos(server, offline):
     prompt = "She was"
-    assert offline.generate(prompt, SamplingParams(temperature=0, max_tokens=100), use_tqdm=False)[0].finish_reason == "stop"
-    expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=100)
+    assert offline.generate(prompt, greedy, use_tqdm=False)[0].finish_reason == "stop"
+    expected = offline.generate(prompt, replace(greedy, ignore_eos=True), use_tqdm=False)[0]
     reply = post(server, "/v1/completions", dict(prompt=prompt, max_tokens=100, temperature=0, ignore_eos=True)).json()
     assert reply["choices"][0]["text"] == expected.text and reply["usage"]["completion_tokens"] == 100
 
@@ -167,7 +169,8 @@ def test_chat_matches_llm_chat(client, offline):
         assert reply.choices[0].message.content == expected.text and reply.choices[0].message.role == "assistant"
         assert reply.choices[0].finish_reason == expected.finish_reason and reply.id.startswith("chatcmpl-")
         assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
-        chunks = list(client.chat.completions.create(model=NAME, messages=messages, temperature=0, stream=True, **extra))
+        chunks = list(client.chat.completions.create(model=NAME, messages=messages, temperature=0, stream=True,
+                                                     **extra))
         assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
         assert chunks[-1].choices[0].finish_reason == expected.finish_reason
@@ -195,8 +198,8 @@ def test_concurrent_streams_match_generate(server, offline):
     before, preemptions_before = metrics(server), engine.stats()["num_preemptions"]
 
     def run(i):
-        stream = client.completions.create(model=NAME, prompt=prompts[i], temperature=0,
-                                           max_tokens=params[i].max_tokens, stream=True, extra_body={"ignore_eos": True})
+        stream = client.completions.create(model=NAME, prompt=prompts[i], temperature=0, stream=True,
+                                           max_tokens=params[i].max_tokens, extra_body={"ignore_eos": True})
         texts[i] = "".join(c.choices[0].text for c in stream)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
@@ -227,7 +230,8 @@ def test_disconnect_mid_stream_frees_blocks(server, monkeypatch):
                 break  # leave (httpx closes the connection here)
     m = wait_for_free_blocks(server)
     assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0
-    assert m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 50  # aborted, not run to the end
+    # aborted, not run to the end
+    assert m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 50
     assert m["vllm:request_success_total{finished_reason=abort}"] - before.get(
         "vllm:request_success_total{finished_reason=abort}", 0) == 1
     assert m["vllm:time_to_first_token_seconds_count"] == before["vllm:time_to_first_token_seconds_count"]
@@ -286,16 +290,19 @@ BAD = [  # (path, body, status, words the message must name, param)
     ("/v1/completions", dict(model=NAME, prompt="Hi", top_logprobs=2), 400, "not supported", "top_logprobs"),
     ("/v1/completions", dict(model=NAME, prompt="Hi", best_of=2), 400, "not supported", "best_of"),
     ("/v1/completions", dict(model=NAME, prompt="Hi", suffix="x"), 400, "not supported", "suffix"),
-    ("/v1/completions", dict(model=NAME, prompt="Hi", frequency_penalty=0.5), 400, "not supported", "frequency_penalty"),
+    ("/v1/completions", dict(model=NAME, prompt="Hi", frequency_penalty=0.5), 400, "not supported",
+     "frequency_penalty"),
     ("/v1/completions", dict(model=NAME, prompt="Hi", presence_penalty=-1), 400, "not supported", "presence_penalty"),
     ("/v1/completions", dict(model=NAME, prompt="Hi", logit_bias={"5": 10}), 400, "not supported", "logit_bias"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=21), 400,
      "Requested top_logprobs of 21, which is greater than max allowed: 20", "top_logprobs"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], top_logprobs=2), 400,
      "`logprobs` must be set to true", "top_logprobs"),
-    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logprobs=2), 400, "logprobs", "logprobs"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logprobs=2), 400, "logprobs",
+     "logprobs"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], n=129), 400, "128", "n"),
-    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], echo=True), 400, "not supported", "echo"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], echo=True), 400, "not supported",
+     "echo"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], prompt_logprobs=1), 400, "not supported",
      "prompt_logprobs"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}]), 400,
@@ -388,7 +395,8 @@ def test_api_key_and_health(server):
     for scheme in ("Bearer", "bearer", "BEARER"):
         assert post(server, "/v1/completions", body, headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
     assert httpx.get(server.url + "/metrics").status_code == 401
-    assert httpx.get(server.url + "/health").status_code == 200 and httpx.head(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.head(server.url + "/health").status_code == 200
 
 
 # Catches: /v1/models without what load generators read (id, root, max_model_len).

@@ -8,12 +8,12 @@ import httpx
 import openai
 import pytest
 import torch
+from test_serve import KEY, NAME, PROMPTS, events, model_path, offline, post, start_server  # noqa: F401 (fixtures)
 from transformers import LlamaForCausalLM
 
 from nanoserve import LLMEngine, SamplingParams
 from nanoserve.config import Config
 from nanoserve.serve import Limits, ServerThread, build_app
-from test_serve import KEY, NAME, PROMPTS, events, model_path, offline, post, start_server  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,8 @@ def test_deltas_concatenate_to_the_output(llm, temperature):
     ids, deltas, outputs = stream(llm.engine, ODD_PROMPTS, params)
     for request_id in ids:
         assert_stream_matches(deltas[request_id], outputs[request_id])
-        assert outputs[request_id].text == llm.engine.tokenizer.decode(outputs[request_id].token_ids, skip_special_tokens=True)
+        decoded = llm.engine.tokenizer.decode(outputs[request_id].token_ids, skip_special_tokens=True)
+        assert outputs[request_id].text == decoded
     if temperature == 0:  # LLM.generate is unchanged by streaming
         assert [o.text for o in llm.generate(ODD_PROMPTS, params, use_tqdm=False)] == [outputs[i].text for i in ids]
     assert_blocks_back(llm)
@@ -125,12 +126,14 @@ def test_prefix_cache_hits_stream_the_same(llm):
 def test_stop_strings(llm, stop, text, num_tokens):
     assert GREEDY_TEXT.startswith(text)
     ids, deltas, outputs = stream(llm.engine, [PROMPT, "Elizabeth"],
-                                  [SamplingParams(temperature=0, max_tokens=40, stop=stop), SamplingParams(temperature=0)])
+                                  [SamplingParams(temperature=0, max_tokens=40, stop=stop),
+                                   SamplingParams(temperature=0)])
     output = outputs[ids[0]]
     assert (output.text, output.finish_reason, len(output.token_ids)) == (text, "stop", num_tokens)
     assert_stream_matches(deltas[ids[0]], output)
     for k in range(len(deltas[ids[0]])):  # no stream prefix ever shows any part of the stop string
-        assert "".join(d.text for d in deltas[ids[0]][:k + 1]) == text[:len("".join(d.text for d in deltas[ids[0]][:k + 1]))]
+        shown = "".join(d.text for d in deltas[ids[0]][:k + 1])
+        assert shown == text[:len(shown)]
     assert_blocks_back(llm)
 
 

@@ -9,20 +9,21 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from test_engine import MAX_TOKENS, PROMPTS
 
 import conftest
 from conftest import greedy
 from nanoserve import LLM
-from nanoserve.models import loader
-from nanoserve.models.loader import load_model, read_config
 from nanoserve.config import Config
 from nanoserve.distributed import Shard, check_tensor_parallel
+from nanoserve.models import loader
+from nanoserve.models.loader import load_model, read_config
 from nanoserve.parallel import Workers
-from test_engine import MAX_TOKENS, PROMPTS
 
 # Chunked prefill (8 tokens a step), preemption (18 blocks of 4 for 6 requests) and prefix-cache
 # hits (prompts 3 and 4 share a prefix with prompt 0) in one run.
@@ -66,7 +67,7 @@ def test_tp2_matches_tp1_and_transformers(tiny_models, model):
 def test_each_rank_holds_only_its_shard(tiny_models, monkeypatch):
     """Loading with Shard(r, 2) gives halves that put together are the whole model: catches slicing
     the wrong dim, taking the same half on both ranks, or q, k, v stacked before slicing."""
-    monkeypatch.setattr(loader, "pack_linears", lambda model, max_num_seqs: model)  # the checkpoint's layout, to compare
+    monkeypatch.setattr(loader, "pack_linears", lambda model, max_num_seqs: model)  # the checkpoint's layout
     path, config = tiny_models["gqa"], read_config(tiny_models["gqa"])
     whole = load_model(path, torch.float32, torch.device("cpu"), "torch")
     halves = [load_model(path, torch.float32, torch.device("cpu"), "torch", Shard(r, 2)) for r in range(2)]
@@ -173,7 +174,8 @@ def test_each_rank_takes_its_share_of_the_threads(tiny_models):
         torch.set_num_threads(2)
         with LLM(tiny_models["gqa"], tensor_parallel_size=2, block_size=4) as llm:
             assert torch.get_num_threads() == 1
-            assert llm.generate([PROMPTS[1]], greedy(4), use_tqdm=False)[0].token_ids == reference(tiny_models["gqa"])[1][:4]
+            expected = reference(tiny_models["gqa"])[1][:4]
+            assert llm.generate([PROMPTS[1]], greedy(4), use_tqdm=False)[0].token_ids == expected
     finally:
         torch.set_num_threads(threads)
 
@@ -215,7 +217,8 @@ def test_a_worker_that_dies_is_reported_and_close_frees_everything(tiny_models):
         s.bind(("127.0.0.1", port))
         s.listen()
     with LLM(tiny_models["gqa"], tensor_parallel_size=2, block_size=4) as again:
-        assert again.generate([PROMPTS[1]], greedy(4), use_tqdm=False)[0].token_ids == reference(tiny_models["gqa"])[1][:4]
+        expected = reference(tiny_models["gqa"])[1][:4]
+        assert again.generate([PROMPTS[1]], greedy(4), use_tqdm=False)[0].token_ids == expected
 
 
 def test_close_stops_a_worker_stuck_in_a_collective(tiny_models):
@@ -264,7 +267,9 @@ def test_a_script_without_a_main_guard_is_told_why_its_worker_died(tiny_models, 
     say so: a bare "worker 1 died (exit code 1)" leaves the user guessing."""
     script = tmp_path / "unguarded.py"
     script.write_text(f"from nanoserve import LLM\nLLM({tiny_models['gqa']!r}, tensor_parallel_size=2)\n")
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    root = str(Path(__file__).resolve().parent.parent)  # this checkout's nanoserve, installed or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode != 0
     assert "worker 1 died (exit code 1)" in result.stderr and 'if __name__ == "__main__":' in result.stderr
 

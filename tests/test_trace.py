@@ -1,14 +1,20 @@
 """The walkthrough (docs/walkthrough.md) replayed on a real engine (a tiny random Llama), and the
 step traces that show it."""
+import sys
+from pathlib import Path
+
 import matplotlib
 import pytest
 
 from conftest import build_tiny_llama
 from nanoserve import LLM, SamplingParams
-from nanoserve.trace import format_step, plot_block_map
+from nanoserve.trace import format_step
 
 matplotlib.use("Agg")  # headless: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "notebooks"))  # the notebooks' drawing module
+from block_map import plot_block_map  # noqa: E402
 
 WALKTHROUGH_PROMPTS = [[1, 2, 3, 4, 5], [1, 6, 5, 7, 8, 9, 10], [1, 12, 13]]
 
