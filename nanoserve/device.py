@@ -50,7 +50,8 @@ def resolve_dtype(name: str, device: torch.device, model: str | None = None) -> 
             logging.getLogger(__name__).warning("dtype='auto': the checkpoint is bfloat16, but this CPU has no native "
                                                 "bfloat16 matmuls (emulated, slower): running in float32")
             return torch.float32
-        warnings.warn("this CPU has no native bfloat16 matmuls: bfloat16 will be slow; float32 is faster here", stacklevel=2)
+        warnings.warn("this CPU has no native bfloat16 matmuls: bfloat16 will be slow; float32 is faster here",
+                      stacklevel=2)
     return dtype
 
 
