@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import random
 import shutil
 import statistics
@@ -633,6 +634,24 @@ def compare_tensor_parallel(path: str, workload: list[Request], config: dict, si
     return "\n".join(lines)
 
 
+def describe_cpu() -> str:
+    """Which CPU a run measured, for every table: its model name, the ISA extensions that pick torch's and
+    oneDNN's kernels (as the hardware reports them), torch's kernel level (ATEN_CPU_CAPABILITY can lower
+    it), whether oneDNN runs bfloat16 here, the threads, and any env var that holds an ISA back."""
+    model = platform.processor() or platform.machine()
+    if os.path.isfile("/proc/cpuinfo"):  # Linux: the marketing name ("AMD EPYC 9B14")
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    isa = {"avx2": torch.cpu._is_avx2_supported(), "avx512f": torch.cpu._is_avx512_supported(),
+           "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "amx": torch.cpu._is_amx_tile_supported()}
+    held = [f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+            if k in os.environ]
+    bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return (f"CPU: {model}; ISA {' '.join(k if v else f'no-{k}' for k, v in isa.items())}; torch capability "
+            f"{torch.backends.cpu.get_cpu_capability()}; oneDNN bf16 {'yes' if bf16 else 'no'}; "
+            f"{torch.get_num_threads()} threads" + (f"; held back by {' '.join(held)}" if held else ""))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Llama checkpoint folder (default: a random ~40M Llama, built once)")
@@ -683,6 +702,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(describe_cpu())
     path = args.model or build_default_model(os.path.join(tempfile.gettempdir(), "nanoserve-bench"))
     from transformers import AutoConfig
     vocab = AutoConfig.from_pretrained(path).vocab_size

@@ -3,7 +3,8 @@ Decided once at start-up from the Config and the machine (see config.py for ever
 from __future__ import annotations
 
 import json
-import re
+import logging
+import platform
 import warnings
 from pathlib import Path
 
@@ -29,13 +30,14 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device, model: str | None = None,
-                  cpuinfo: str = "/proc/cpuinfo") -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, model: str | None = None) -> torch.dtype:
     """Config's dtype name -> torch dtype. "auto" follows the checkpoint, as transformers and vLLM do:
     the `dtype` (or older `torch_dtype`) in `model`'s config.json, float32 where it names none; on
     CUDA float32 becomes bfloat16 (flash-attn needs 16 bits), or float16 below compute capability 8.0,
-    which has no bfloat16 tensor cores (vLLM's rule). bfloat16 runs on any CPU, but without native
-    bf16 matmuls (x86 AVX512-BF16 or AMX, Arm BF16: flags in `cpuinfo`) it is slow: a warning says so."""
+    which has no bfloat16 tensor cores (vLLM's rule). A CPU without native bf16 matmuls
+    (`has_native_bf16`) emulates them, slower than float32: there "auto" picks float32 and logs why,
+    and a bfloat16 asked for by name obeys with a warning (vLLM's CPU rule)."""
+    asked = name
     if name == "auto":
         config_file = Path(model or "", "config.json")
         saved = json.loads(config_file.read_text()) if model and config_file.is_file() else {}
@@ -45,11 +47,23 @@ def resolve_dtype(name: str, device: torch.device, model: str | None = None,
             dtype = torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
     else:
         dtype = getattr(torch, name)
-    if dtype == torch.bfloat16 and device.type == "cpu":
-        flags = Path(cpuinfo).read_text() if Path(cpuinfo).is_file() else ""
-        if not re.search(r"\b(avx512_bf16|amx_bf16|bf16)\b", flags):
-            warnings.warn("this CPU has no native bfloat16 matmuls: bfloat16 will be slow; float32 is faster here")
+    if dtype == torch.bfloat16 and device.type == "cpu" and not has_native_bf16():
+        if asked == "auto":
+            logging.getLogger(__name__).warning("dtype='auto': the checkpoint is bfloat16, but this CPU has no native "
+                                                "bfloat16 matmuls (emulated, slower): running in float32")
+            return torch.float32
+        warnings.warn("this CPU has no native bfloat16 matmuls: bfloat16 will be slow; float32 is faster here",
+                      stacklevel=2)
     return dtype
+
+
+def has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively: oneDNN's bf16 kernels are on (they are not on an AVX2
+    CPU, nor under ONEDNN_MAX_CPU_ISA=AVX2) and, on x86, AVX512-BF16 or AMX does the products (plain AVX512
+    converts each to float32 first). Arm: oneDNN enables bf16 only where the CPU has BF16 instructions."""
+    onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686")
+    return onednn and (not x86 or torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def free_memory(device: torch.device) -> tuple[int, int]:

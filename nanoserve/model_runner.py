@@ -28,7 +28,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, device, config.model)
         self.backend, self.block_size = select_attention(config.attention_backend, config.block_size, device,
                                                          self.dtype, read_config(config.model).head_dim)
-        self.model = load_model(config.model, self.dtype, device, self.backend, shard)
+        self.model = load_model(config.model, self.dtype, device, self.backend, shard, config.max_num_seqs)
         if device.type == "cuda":  # the largest step, once: its peak is what the KV cache leaves free
             torch.cuda.reset_peak_memory_stats(device)
             self.warm_up(config, max_model_len)

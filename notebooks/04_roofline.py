@@ -66,8 +66,9 @@ config = model.config
 BYTES = engine.model_runner.dtype.itemsize
 # Weights every step reads whole: each layer's projections, and lm_head (the embedding is only
 # gathered, one row per token).
-layer_params = sum(p.numel() for name, p in model.named_parameters() if "layers." in name)
-lm_head_params = model.lm_head.weight.numel()
+# (a CPU linear may hold its weight packed for oneDNN, as a buffer: `layers/linear.py`)
+layer_params = sum(t.numel() for name, t in [*model.named_parameters(), *model.named_buffers()] if "layers." in name)
+lm_head_params = model.model.embed_tokens.weight.numel()  # vocab x hidden, as lm_head
 kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * BYTES  # K and V, all layers
 print(f"layers {layer_params / 1e6:.1f}M params, lm_head {lm_head_params / 1e6:.1f}M, "
       f"{(layer_params + lm_head_params) * BYTES / 1e6:.0f} MB read per step; KV {kv_bytes_per_token} bytes/token")

@@ -32,6 +32,10 @@ def test_benchmark_runs_every_engine(tiny_models, tmp_path, capsys, monkeypatch)
     assert all(r["output_tokens"] > 0 and r["seconds"] > 0 for r in results)
     printed = capsys.readouterr().out
     assert "% of the roofline" in printed and "on cpu" in printed and devices == ["cpu", "cpu", "cpu"]
+    # the CPU it ran on, as torch sees it: catches a table that cannot say which machine class it measured
+    cpu = next(line for line in printed.splitlines() if line.startswith("CPU: "))
+    assert f"torch capability {torch.backends.cpu.get_cpu_capability()};" in cpu
+    assert f"{torch.get_num_threads()} threads" in cpu and ("no-avx2" in cpu) != torch.cpu._is_avx2_supported()
 
 
 def test_online_mode_runs(tiny_models, capsys):

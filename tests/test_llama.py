@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import platform
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -18,10 +22,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from nanoserve import device
 from nanoserve.batch import Batch
 from nanoserve.device import resolve_dtype
+from nanoserve.layers import linear
 from nanoserve.layers.linear import PackedLinear
+from nanoserve.layers.rotary_embedding import RotaryEmbedding, apply_rope
 from nanoserve.models import loader
 from nanoserve.models.loader import load_model
 
@@ -116,24 +124,70 @@ def test_prefill_matches_transformers(tmp_path: Path, overrides: dict) -> None:
     assert_same_logits(run_prefill(tmp_path, PROMPT), reference_logits(hf_model, PROMPT))
 
 
-def test_tied_checkpoint_has_no_lm_head(tmp_path: Path) -> None:
+def test_tied_checkpoint_has_no_lm_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     save_llama(tmp_path, tie_word_embeddings=True)
     assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    monkeypatch.setattr(linear, "choose_linear", lambda dtype, max_num_seqs: "column_major")
     model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.lm_head.weight.is_contiguous()  # row-major, as the embedding's row lookups want it
 
 
-def test_float32_linears_are_column_major(tmp_path: Path) -> None:
-    """On CPU in float32 every (untied) linear weight is stored column-major, the layout MKL multiplies
-    fastest (layers/linear.py), holding the checkpoint's values. Catches the layout silently lost:
-    outputs would stay exact and only the speed drop."""
-    hf_model = save_llama(tmp_path)
+@pytest.mark.parametrize("layout", ["column_major", "packed", "row_major"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_every_linear_layout_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str,
+                                                  tied: bool) -> None:
+    """Whatever `choose_linear` picks for this CPU (forced here), the model holds the checkpoint's
+    weights in that layout and float32 logits equal transformers' for a prefill and a decode step.
+    Catches a layout silently lost (only the speed would drop), a packed weight transposed or a tied
+    lm_head packed from the wrong matrix."""
+    if layout == "packed" and not linear.has_onednn(torch.float32):
+        pytest.skip("oneDNN float32 is used (and measured) on x86 only")
+    hf_model = save_llama(tmp_path, tie_word_embeddings=tied)
+    monkeypatch.setattr(linear, "choose_linear", lambda dtype, max_num_seqs: layout)
     model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
     assert len(linears) == 2 * 4 + 1  # 4 per layer + lm_head
-    assert all(m.weight.stride() == (1, m.weight.shape[0]) for m in linears)
-    assert torch.equal(model.lm_head.weight, hf_model.lm_head.weight)
+    if layout == "packed":
+        assert all(isinstance(m, PackedLinear) for m in linears)
+    else:  # column-major: strides (1, out); a tied lm_head stays the (row-major) embedding
+        column = [layout == "column_major" and m.weight is not model.model.embed_tokens.weight for m in linears]
+        assert [m.weight.stride() == (1, m.weight.shape[0]) for m in linears] == column
+    kv_cache = empty_kv_cache(model)
+    with torch.inference_mode():
+        prefill = model(make_batch([PROMPT]), kv_cache)
+        decode = model(make_batch([[42]], cached=[len(PROMPT)]), kv_cache)
+    assert_same_logits(prefill, reference_logits(hf_model, PROMPT))
+    assert_same_logits(decode[0], reference_logits(hf_model, PROMPT + [42])[-1])
+
+
+def test_choose_linear_by_what_onednn_does_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN-packed where oneDNN multiplies the dtype, except float32 when every decode step is one
+    row (max_num_seqs=1), where column-major is faster; else column-major float32, row-major bfloat16.
+    Catches an emulated bf16 packed on an AVX2 CPU, or a layout picked without the engine's shape."""
+    def choices(max_num_seqs: int) -> list[str]:
+        return [linear.choose_linear(d, max_num_seqs) for d in (torch.float32, torch.bfloat16, torch.float16)]
+    monkeypatch.setattr(linear, "has_onednn", lambda dtype: dtype in (torch.float32, torch.bfloat16))
+    assert choices(256) == ["packed", "packed", "row_major"]
+    assert choices(1) == ["column_major", "packed", "row_major"]
+    monkeypatch.setattr(linear, "has_onednn", lambda dtype: dtype == torch.float32)  # an AVX2 x86 CPU
+    assert choices(256) == ["packed", "row_major", "row_major"]
+    monkeypatch.setattr(linear, "has_onednn", lambda dtype: False)  # Arm, or torch without oneDNN
+    assert choices(256) == ["column_major", "row_major", "row_major"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_transformers_bit_for_bit(dtype: torch.dtype) -> None:
+    """apply_rope with RotaryEmbedding's signed sin is HF's apply_rotary_pos_emb, bit for bit, at
+    positions up to 3000. Catches the wrong half of sin negated, or a rounding a tolerance would hide."""
+    rotary, positions = RotaryEmbedding(16, {"rope_theta": 10000.0}), torch.arange(0, 3000, 7)
+    freqs = positions[:, None].float() * rotary.inv_freq
+    hf_cos, hf_sin = torch.cat((freqs, freqs), -1).cos().to(dtype), torch.cat((freqs, freqs), -1).sin().to(dtype)
+    q, k = torch.randn(2, len(positions), 4, 16).to(dtype)  # [N, heads, D] each
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos[None], hf_sin[None])
+    cos, signed_sin = rotary(positions, dtype)
+    assert torch.equal(apply_rope(q, cos, signed_sin), hf_q[0].transpose(0, 1))  # HF: [batch, heads, N, D]
+    assert torch.equal(apply_rope(k, cos, signed_sin), hf_k[0].transpose(0, 1))
 
 
 def test_old_style_rope_scaling(tmp_path: Path) -> None:
@@ -187,14 +241,14 @@ def test_bfloat16_load(tmp_path: Path) -> None:
     assert model.model.rotary.inv_freq.dtype == torch.float32  # RoPE angles stay float32
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PackedLinear needs a torch built with oneDNN")
+@pytest.mark.skipif(not linear.has_onednn(torch.bfloat16), reason="oneDNN has no bfloat16 kernels on this CPU")
 def test_packed_linears_equal_nn_linear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """bfloat16 on CPU runs its matmuls through PackedLinear (pack_linears): the same logits, bit for
     bit, as the reference nn.Linear model, for a prefill and a decode step. Catches a packed weight
     that is transposed, rounded or lost its tie to the embedding."""
     save_llama(tmp_path, tie_word_embeddings=True)
     packed = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
-    monkeypatch.setattr(loader, "pack_linears", lambda model: model)  # the reference: plain nn.Linear
+    monkeypatch.setattr(loader, "pack_linears", lambda model, max_num_seqs: model)  # the reference: plain nn.Linear
     plain = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
     assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 2 * 4 + 1  # 4 per layer + lm_head
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())
@@ -264,6 +318,7 @@ def write_config(folder: Path, **fields: object) -> str:
 
 def test_auto_dtype_follows_the_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(device, "has_native_bf16", lambda: True)  # a CPU with AVX512-BF16 or AMX
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # only resolved here, nothing runs on CUDA
     fp32 = write_config(tmp_path / "fp32", dtype="float32")
     bf16 = write_config(tmp_path / "bf16", dtype="bfloat16")
@@ -288,14 +343,31 @@ def test_float16_below_sm80(monkeypatch, tmp_path, capability, saved, expected):
     assert resolve_dtype("auto", torch.device("cuda"), write_config(tmp_path, dtype=saved)) == expected
 
 
-def test_bfloat16_on_a_cpu_without_native_bf16_warns(tmp_path):
-    avx2 = tmp_path / "avx2"
-    avx2.write_text("flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\n")
-    with pytest.warns(UserWarning, match="slow"):
-        resolve_dtype("bfloat16", torch.device("cpu"), cpuinfo=str(avx2))
-    native = tmp_path / "native"
-    native.write_text("flags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16\n")
+def test_auto_dtype_never_emulates_bfloat16(tmp_path, monkeypatch, caplog):
+    """Without native bf16 matmuls "auto" runs a bfloat16 checkpoint in float32 and logs one line
+    saying why; bfloat16 asked for by name obeys, with a warning. Catches "auto" picking an
+    emulated dtype (2-5x slower at batch decode on an AVX2 CPU), or overruling an explicit name."""
+    monkeypatch.setattr(device, "has_native_bf16", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    bf16 = write_config(tmp_path / "bf16", dtype="bfloat16")
+    cpu = torch.device("cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolve_dtype("bfloat16", torch.device("cpu"), cpuinfo=str(native)) == torch.bfloat16
-        assert resolve_dtype("float32", torch.device("cpu"), cpuinfo=str(avx2)) == torch.float32
+        assert resolve_dtype("auto", cpu, bf16) == torch.float32
+        assert resolve_dtype("float32", cpu, bf16) == torch.float32
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "float32" in caplog.records[0].message
+    with pytest.warns(UserWarning, match="slow"):
+        assert resolve_dtype("bfloat16", cpu, bf16) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda"), bf16) == torch.bfloat16  # the rule is the CPU's
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="oneDNN's ISA names are x86's")
+def test_no_native_bfloat16_under_avx2_emulation() -> None:
+    """With oneDNN held to AVX2 (how an AVX2 laptop is approximated on an AVX-512 machine), bf16 is
+    not native and not packed, whatever /proc/cpuinfo says. Catches a check of the CPU's flags only."""
+    env = os.environ | {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    code = "import torch; from nanoserve import device; from nanoserve.layers import linear; " \
+           "print(device.has_native_bf16(), linear.has_onednn(torch.bfloat16))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parents[1], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

@@ -13,6 +13,7 @@ from nanoserve import LLM
 from nanoserve.attention import select_attention
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config
 from nanoserve.device import resolve_device
+from nanoserve.layers import linear
 
 Memory = namedtuple("Memory", "available total")
 
@@ -74,3 +75,14 @@ def test_the_warm_up_runs_the_largest_step_on_a_throwaway_cache(tiny_models):
     assert torch.equal(llm.engine.model_runner.kv_cache, cache)
     outputs = first + llm.generate(prompts[1:], greedy(3), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference(path, prompts, [3, 3])
+
+
+@pytest.mark.skipif(not linear.has_onednn(torch.float32), reason="float32 runs column-major wherever oneDNN does not")
+def test_one_request_at_a_time_keeps_float32_linears_column_major(tiny_models):
+    """max_num_seqs=1 (every decode step one row) is the latency switch: column-major float32, faster
+    than oneDNN-packed at one row; a batching engine gets the packed weights. Catches the engine's
+    max_num_seqs not reaching the loader."""
+    def linears(max_num_seqs: int) -> set[type]:
+        model = LLM(tiny_models["gqa"], block_size=4, max_num_seqs=max_num_seqs).engine.model_runner.model
+        return {type(m) for m in model.modules() if isinstance(m, (torch.nn.Linear, linear.PackedLinear))}
+    assert linears(1) == {torch.nn.Linear} and linears(2) == {linear.PackedLinear}

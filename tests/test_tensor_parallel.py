@@ -21,6 +21,7 @@ from conftest import greedy
 from nanoserve import LLM
 from nanoserve.config import Config
 from nanoserve.distributed import Shard, check_tensor_parallel
+from nanoserve.models import loader
 from nanoserve.models.loader import load_model, read_config
 from nanoserve.parallel import Workers
 
@@ -63,9 +64,10 @@ def test_tp2_matches_tp1_and_transformers(tiny_models, model):
     assert [o.token_ids for o in two] == [o.token_ids for o in one] == reference(path)
 
 
-def test_each_rank_holds_only_its_shard(tiny_models):
+def test_each_rank_holds_only_its_shard(tiny_models, monkeypatch):
     """Loading with Shard(r, 2) gives halves that put together are the whole model: catches slicing
     the wrong dim, taking the same half on both ranks, or q, k, v stacked before slicing."""
+    monkeypatch.setattr(loader, "pack_linears", lambda model, max_num_seqs: model)  # the checkpoint's layout
     path, config = tiny_models["gqa"], read_config(tiny_models["gqa"])
     whole = load_model(path, torch.float32, torch.device("cpu"), "torch")
     halves = [load_model(path, torch.float32, torch.device("cpu"), "torch", Shard(r, 2)) for r in range(2)]

@@ -8,48 +8,68 @@ figures: README, "Where a decode step's time goes").
 """
 from __future__ import annotations
 
+import platform
+
 import torch
 from torch import nn
 
 
 def column_major(weight: torch.Tensor) -> torch.Tensor:
     """The same `[out, in]` weight, laid out as `[in, out]` in memory (strides (1, out)): on CPU in
-    float32, `x @ weight.T` is then MKL's plain (not transposed) GEMM, faster at decode sizes."""
+    float32, `x @ weight.T` is then MKL's plain (not transposed) GEMM, faster at one-row decode."""
     return weight.t().contiguous().t()
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear without bias, its weight laid out once in oneDNN's own blocked format: the same
-    products bit for bit, faster in bfloat16 on CPU. The packed weight is opaque (only this reads
-    it) and a copy: a tied lm_head keeps the embedding matrix and gets its own packed one."""
+    """nn.Linear without bias, its weight laid out once in oneDNN's own blocked format. The packed
+    weight is opaque (only this reads it) and a copy: a tied lm_head keeps the embedding matrix and
+    gets its own packed one. In bfloat16 the products equal nn.Linear's bit for bit; in float32 they
+    may round differently (another summation order), as any GEMM library's may."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())  # [out, in]
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
 
 
-def has_onednn_bf16() -> bool:
-    """oneDNN's bfloat16 kernels need AVX512 (or AVX-NE-CONVERT) on x86: elsewhere, nn.Linear."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def has_onednn(dtype: torch.dtype) -> bool:
+    """Whether oneDNN multiplies `dtype` on this CPU: float32 on x86 (measured only there); bfloat16 where it
+    has bf16 kernels (AVX512 or newer, Arm BF16; not on AVX2, nor under ONEDNN_MAX_CPU_ISA=AVX2)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32 and platform.machine().lower() in ("x86_64", "amd64")
 
 
-def pack_linears(model: nn.Module) -> nn.Module:
-    """Give every bias-free nn.Linear of a loaded model the implementation this device runs fastest:
-      * CPU, float32: nn.Linear with a `column_major` weight (MKL's GEMM);
-      * CPU, bfloat16, where oneDNN has bf16 kernels: a PackedLinear;
-      * anywhere else (CUDA, other dtypes): nn.Linear as loaded.
-    A float32 weight tied to the embedding stays row-major: a column-major copy would be a second
-    vocab x hidden matrix, and the embedding's row lookups want rows."""
+def choose_linear(dtype: torch.dtype, max_num_seqs: int) -> str:
+    """How this CPU multiplies a `dtype` weight fastest at the engine's shapes, decided from what the CPU
+    and torch support (measured figures: README, "Which CPU"):
+      * "packed" (PackedLinear): bfloat16 where oneDNN has bf16 kernels; float32 on x86, where oneDNN took
+        0.45-0.7x MKL's time at decode batches of 8-48 rows and ~0.8x at prefill, on AVX-512 and AVX2
+        CPUs alike, but 1.2x at one row: so not when `max_num_seqs` is 1 (every decode step one row);
+      * "column_major": float32 otherwise (and on Arm, or a torch without oneDNN);
+      * "row_major": nn.Linear as loaded (bfloat16 without oneDNN's kernels, where it is emulated)."""
+    if has_onednn(dtype) and (dtype == torch.bfloat16 or max_num_seqs > 1):
+        return "packed"
+    return "column_major" if dtype == torch.float32 else "row_major"
+
+
+def pack_linears(model: nn.Module, max_num_seqs: int) -> nn.Module:
+    """Give every bias-free nn.Linear of a loaded CPU model the implementation `choose_linear` picks for
+    its dtype and the engine's `max_num_seqs`. A float32 weight tied to the embedding stays row-major
+    rather than column-major: a column-major copy would be a second vocab x hidden matrix, and the
+    embedding's row lookups want rows."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or module.bias is not None or module.weight.device.type != "cpu":
             continue
-        if module.weight.dtype == torch.float32 and id(module.weight) not in embeddings:
+        layout = choose_linear(module.weight.dtype, max_num_seqs)
+        if layout == "column_major" and id(module.weight) not in embeddings:
             module.weight = nn.Parameter(column_major(module.weight), requires_grad=False)
-        elif module.weight.dtype == torch.bfloat16 and has_onednn_bf16():
+        elif layout == "packed":
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, PackedLinear(module))
     return model

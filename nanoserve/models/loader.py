@@ -25,9 +25,10 @@ from nanoserve.distributed import Shard
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_backend: str,
-               shard: Shard = Shard()) -> LlamaForCausalLM:
+               shard: Shard = Shard(), max_num_seqs: int = 256) -> LlamaForCausalLM:
     """Build a Llama from a Hugging Face folder (config.json + *.safetensors) on `device` in `dtype`;
-    with tensor parallelism, only `shard`'s part of it: every tensor is sliced as it is read."""
+    with tensor parallelism, only `shard`'s part of it: every tensor is sliced as it is read. Its
+    linears suit decode steps of up to `max_num_seqs` rows (layers/linear.py)."""
     config = read_config(path)
     with torch.device("meta"):  # shapes only: every parameter is replaced by a checkpoint tensor
         model = LlamaForCausalLM(config, attention_backend, shard)
@@ -43,7 +44,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_ba
         setattr(model.get_submodule(module_name), leaf, weight)
     if config.tie_word_embeddings:  # tied: lm_head.weight is the embedding matrix, not a copy
         model.lm_head.weight = model.model.embed_tokens.weight
-    return pack_linears(model.to(device).eval())  # .to moves the RoPE cache; parameters are already there
+    return pack_linears(model.to(device).eval(), max_num_seqs)  # .to moves the RoPE cache; parameters are already there
 
 
 def checkpoint_parts(param_name: str) -> list[tuple[str, int | None]]:
