@@ -63,13 +63,11 @@ class SamplingParams:
                 "stop", self.stop, "None, a non-empty str or a list of non-empty strs")
         # Store plain Python values (a numpy scalar becomes a float or an int) and a tuple, so the
         # params hash like any frozen dataclass; frozen, so through object.__setattr__.
-        object.__setattr__(self, "temperature", float(t))
-        object.__setattr__(self, "top_p", float(p))
-        object.__setattr__(self, "top_k", int(k))
-        object.__setattr__(self, "max_tokens", int(m))
-        object.__setattr__(self, "stop_token_ids", None if stop is None else tuple(int(s) for s in stop))
-        object.__setattr__(self, "seed", None if seed is None else int(seed))
-        object.__setattr__(self, "stop", None if strings is None else tuple(strings))
+        plain = dict(temperature=float(t), top_p=float(p), top_k=int(k), max_tokens=int(m),
+                     stop_token_ids=None if stop is None else tuple(int(s) for s in stop),
+                     seed=None if seed is None else int(seed), stop=None if strings is None else tuple(strings))
+        for name, value in plain.items():
+            object.__setattr__(self, name, value)
 
     def for_sample(self, index: int) -> SamplingParams:
         """The params of sample `index` of n: one sample, seeded seed + index as in vLLM (each its own
