@@ -62,10 +62,6 @@ def gather_blocks(cache: Tensor, block_table: Tensor) -> Tensor:
     return cache.index_select(0, block_table.flatten()).view(block_table.shape[0], -1, *cache.shape[2:])
 
 
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return max(1, cdiv(num_tokens, block_size))  # at least one block, so the key axis is never empty
-
-
 def causal_mask(seqlen_q: int, seqlen_k: int, device: torch.device) -> Tensor:
     """`[seqlen_q, seqlen_k]` bool, bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q."""
     key_pos = torch.arange(seqlen_k, device=device)
@@ -129,7 +125,7 @@ def plan_attention(batch: Batch, block_size: int, dtype: torch.dtype) -> Attenti
     for chunk in np.array_split(decode, cdiv(len(decode), DECODE_GROUP_ROWS)) if len(decode) else []:
         # its requests, their rows of q and their key counts: one non_blocking copy to the device
         index = upload(dict(requests=chunk, rows=starts[chunk], seqlens_k=k_lens[chunk]), torch.int64, device)
-        num_blocks = blocks_needed(int(k_lens[chunk[-1]]), block_size)  # the group's longest context
+        num_blocks = cdiv(int(k_lens[chunk[-1]]), block_size)  # the group's longest context
         padding = torch.arange(num_blocks * block_size, device=device) >= index["seqlens_k"][:, None]  # [R, L]
         bias = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill(padding, float("-inf"))
         table = batch.block_tables.index_select(0, index["requests"])[:, :num_blocks]  # [R, num_blocks]
@@ -141,7 +137,7 @@ def plan_attention(batch: Batch, block_size: int, dtype: torch.dtype) -> Attenti
         seqlen_k, end = int(k_lens[b]), int(starts[b + 1])
         start = max(int(starts[b]), end - seqlen_k)
         mask = None if end - start == seqlen_k else causal_mask(end - start, seqlen_k, device)
-        table = batch.block_tables[b:b + 1, :blocks_needed(seqlen_k, block_size)]
+        table = batch.block_tables[b:b + 1, :cdiv(seqlen_k, block_size)]
         prefills.append(PrefillRequest(start, end, table, seqlen_k, mask))
     return AttentionPlan(batch.slot_mapping, int(starts[-1]), groups, prefills)
 
