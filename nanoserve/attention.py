@@ -101,7 +101,6 @@ class AttentionPlan:
     """The torch backend's metadata: what every layer's attention shares in one step, built once
     per step by `plan_attention`. Requests without a key appear in no group: their output stays 0."""
     slot_mapping: Tensor  # [N] where the step's k, v are written (store_kvcache)
-    num_rows: int         # N, the rows of q
     decode_groups: list[DecodeGroup]
     prefill_requests: list[PrefillRequest]
 
@@ -139,15 +138,15 @@ def plan_attention(batch: Batch, block_size: int, dtype: torch.dtype) -> Attenti
         mask = None if end - start == seqlen_k else causal_mask(end - start, seqlen_k, device)
         table = batch.block_tables[b:b + 1, :cdiv(seqlen_k, block_size)]
         prefills.append(PrefillRequest(start, end, table, seqlen_k, mask))
-    return AttentionPlan(batch.slot_mapping, int(starts[-1]), groups, prefills)
+    return AttentionPlan(batch.slot_mapping, groups, prefills)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan, scale: float) -> Tensor:
     """q `[N, H, D]` -> `[N, H, D]`, attending as `plan` says. Each request's keys and values are
     copied out of the cache once (whole blocks) and read once by SDPA."""
-    if plan.num_rows == 1 and plan.decode_groups:  # one request decoding (the latency case): its
+    if q.shape[0] == 1 and plan.decode_groups:  # one request decoding (the latency case): its
         return attend_decode_group(q, k_cache, v_cache, plan.decode_groups[0], scale)  # rows are the output
-    out = q.new_zeros(plan.num_rows, q.shape[1], v_cache.shape[-1])  # [N, H, D]
+    out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])  # [N, H, D]
     for group in plan.decode_groups:
         q_group = q.index_select(0, group.rows)  # [R, H, D]
         out.index_copy_(0, group.rows, attend_decode_group(q_group, k_cache, v_cache, group, scale))
