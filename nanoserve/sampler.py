@@ -54,8 +54,7 @@ class SamplingParams:
                 "stop_token_ids", stop, "None or a list of ints >= 0")
         require(seed is None or is_int(seed), "seed", seed, "an int or None")
         require(is_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
+        for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
             require(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), name, value,
                     f"None or an int in [0, {MAX_LOGPROBS}]")
         strings = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -112,10 +111,8 @@ def is_int(value: object) -> bool:
 
 def is_finite_real(value: object) -> bool:
     """Any real number type (numpy's float32 too), but not bool, nan, inf or an int beyond float."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        return False
     try:
-        return math.isfinite(value)
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     except OverflowError:  # an int too large for a float
         return False
 
