@@ -62,10 +62,6 @@ def gather_blocks(cache: Tensor, block_table: Tensor) -> Tensor:
     return cache.index_select(0, block_table.flatten()).view(block_table.shape[0], -1, *cache.shape[2:])
 
 
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return max(1, cdiv(num_tokens, block_size))  # at least one block, so the key axis is never empty
-
-
 def causal_mask(seqlen_q: int, seqlen_k: int, device: torch.device) -> Tensor:
     """`[seqlen_q, seqlen_k]` bool, bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q."""
     key_pos = torch.arange(seqlen_k, device=device)
@@ -105,7 +101,6 @@ class AttentionPlan:
     """The torch backend's metadata: what every layer's attention shares in one step, built once
     per step by `plan_attention`. Requests without a key appear in no group: their output stays 0."""
     slot_mapping: Tensor  # [N] where the step's k, v are written (store_kvcache)
-    num_rows: int         # N, the rows of q
     decode_groups: list[DecodeGroup]
     prefill_requests: list[PrefillRequest]
 
@@ -129,7 +124,7 @@ def plan_attention(batch: Batch, block_size: int, dtype: torch.dtype) -> Attenti
     for chunk in np.array_split(decode, cdiv(len(decode), DECODE_GROUP_ROWS)) if len(decode) else []:
         # its requests, their rows of q and their key counts: one non_blocking copy to the device
         index = upload(dict(requests=chunk, rows=starts[chunk], seqlens_k=k_lens[chunk]), torch.int64, device)
-        num_blocks = blocks_needed(int(k_lens[chunk[-1]]), block_size)  # the group's longest context
+        num_blocks = cdiv(int(k_lens[chunk[-1]]), block_size)  # the group's longest context
         padding = torch.arange(num_blocks * block_size, device=device) >= index["seqlens_k"][:, None]  # [R, L]
         bias = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill(padding, float("-inf"))
         table = batch.block_tables.index_select(0, index["requests"])[:, :num_blocks]  # [R, num_blocks]
@@ -141,17 +136,17 @@ def plan_attention(batch: Batch, block_size: int, dtype: torch.dtype) -> Attenti
         seqlen_k, end = int(k_lens[b]), int(starts[b + 1])
         start = max(int(starts[b]), end - seqlen_k)
         mask = None if end - start == seqlen_k else causal_mask(end - start, seqlen_k, device)
-        table = batch.block_tables[b:b + 1, :blocks_needed(seqlen_k, block_size)]
+        table = batch.block_tables[b:b + 1, :cdiv(seqlen_k, block_size)]
         prefills.append(PrefillRequest(start, end, table, seqlen_k, mask))
-    return AttentionPlan(batch.slot_mapping, int(starts[-1]), groups, prefills)
+    return AttentionPlan(batch.slot_mapping, groups, prefills)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan, scale: float) -> Tensor:
     """q `[N, H, D]` -> `[N, H, D]`, attending as `plan` says. Each request's keys and values are
     copied out of the cache once (whole blocks) and read once by SDPA."""
-    if plan.num_rows == 1 and plan.decode_groups:  # one request decoding (the latency case): its
+    if q.shape[0] == 1 and plan.decode_groups:  # one request decoding (the latency case): its
         return attend_decode_group(q, k_cache, v_cache, plan.decode_groups[0], scale)  # rows are the output
-    out = q.new_zeros(plan.num_rows, q.shape[1], v_cache.shape[-1])  # [N, H, D]
+    out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])  # [N, H, D]
     for group in plan.decode_groups:
         q_group = q.index_select(0, group.rows)  # [R, H, D]
         out.index_copy_(0, group.rows, attend_decode_group(q_group, k_cache, v_cache, group, scale))

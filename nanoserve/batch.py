@@ -73,32 +73,31 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, device: 
     tokens, k, k + 1, ...; for a decode, the token's index in its sequence.
     """
     input_ids: list[int] = []
-    query_lens, seq_lens, samples, prompt_rows, next_token_ids = [], [], [], [], []
+    prompt_rows, next_token_ids = [], []
     for seq, num_new in scheduled:
         start = seq.num_computed_tokens
         positions = prompt_logprob_positions(seq, num_new)
         prompt_rows += [len(input_ids) + p - start for p in positions]  # rows of the flat batch
         next_token_ids += seq.token_ids[positions.start + 1:positions.stop + 1]
         input_ids += seq.token_ids[start:start + num_new]
-        query_lens.append(num_new)
-        seq_lens.append(start + num_new)
-        samples.append(samples_now(seq, num_new))
-    query_lens_np, seq_lens_np = np.array(query_lens, np.int64), np.array(seq_lens, np.int64)
-    query_start_loc = np.concatenate([[0], np.cumsum(query_lens_np)])
+    query_lens = np.array([num_new for _, num_new in scheduled], np.int64)
+    seq_lens = np.array([seq.num_computed_tokens + num_new for seq, num_new in scheduled], np.int64)
+    samples = np.array([samples_now(seq, num_new) for seq, num_new in scheduled], bool)
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
     # Token t belongs to request req[t]; its position counts on from that request's computed tokens.
-    req = np.repeat(np.arange(len(scheduled)), query_lens_np)
-    positions = np.arange(len(input_ids)) - query_start_loc[req] + (seq_lens_np - query_lens_np)[req]
+    req = np.repeat(np.arange(len(scheduled)), query_lens)
+    positions = np.arange(len(input_ids)) - query_start_loc[req] + (seq_lens - query_lens)[req]
     block_tables = np.zeros((len(scheduled), max(len(seq.block_table) for seq, _ in scheduled)), np.int64)
     for r, (seq, _) in enumerate(scheduled):
         block_tables[r, :len(seq.block_table)] = seq.block_table  # the rest stays 0, the null block
     # [N]: token t's block is entry positions[t] // block_size of its request's block table
     slot_mapping = block_tables[req, positions // block_size] * block_size + positions % block_size
-    logits_indices = np.concatenate([query_start_loc[1:][np.array(samples, dtype=bool)] - 1, prompt_rows])
-    cu_seqlens_k = np.concatenate([[0], np.cumsum(seq_lens_np)])
+    logits_indices = np.concatenate([query_start_loc[1:][samples] - 1, prompt_rows])
+    cu_seqlens_k = np.concatenate([[0], np.cumsum(seq_lens)])
     # One copy to the device per dtype (flash-attn wants lengths and block tables in int32)
     tensors = upload(dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
                           logits_indices=logits_indices, next_token_ids=next_token_ids), torch.int64, device)
-    tensors |= upload(dict(query_start_loc=query_start_loc, seq_lens=seq_lens_np, cu_seqlens_k=cu_seqlens_k,
+    tensors |= upload(dict(query_start_loc=query_start_loc, seq_lens=seq_lens, cu_seqlens_k=cu_seqlens_k,
                            block_tables=block_tables), torch.int32, device)
-    return Batch(**tensors, max_query_len=int(query_lens_np.max()), max_seq_len=int(seq_lens_np.max()),
-                 query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens_np)
+    return Batch(**tensors, max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
+                 query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)

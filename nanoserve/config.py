@@ -48,8 +48,6 @@ class Config:
         for name in ("num_kvcache_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
-        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 2:
-            raise ValueError("num_kvcache_blocks must be >= 2 (block 0 is the reserved null block)")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -116,10 +116,9 @@ class LLMEngine:
     def discard(self, request_ids: list[str]) -> None:
         """Abort these requests, if unfinished, without reporting them in a later step: for a caller
         that reports the failure itself (LLM.generate raising), so that no output is left behind."""
-        discarded = {request_id for request_id in request_ids if request_id in self.requests}
-        for request_id in discarded:
-            self.abort_request(request_id)
-        self.aborted = [output for output in self.aborted if output.request_id not in discarded]
+        for request_id in request_ids:
+            if request_id in self.requests:
+                self.scheduler.finish(self.requests.pop(request_id), "abort")
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (see parallel.py); the engine serves no more."""

@@ -59,12 +59,10 @@ class LLM:
         except BaseException:  # a bad prompt, an error in a step, Ctrl-C: leave the engine idle
             self.engine.discard([request_id for group in ids for request_id in group])  # reported by raising
             raise
-        merged = []
-        for group in ids:  # one output per prompt, its requests' completions in order
+        for group in ids:  # one output per prompt: its first request's, with the others' completions in order
             first, *others = [outputs[request_id] for request_id in group]
             first.outputs += [replace(other.outputs[0], index=i) for i, other in enumerate(others, start=1)]
-            merged.append(first)
-        return merged
+        return [outputs[group[0]] for group in ids]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,

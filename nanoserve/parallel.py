@@ -7,6 +7,7 @@ With tensor_parallel_size 1 nothing here runs: no process group, no process.
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import traceback
 import weakref
@@ -95,11 +96,9 @@ class Workers:
         """What worker `rank` says within `wait` seconds: "started", "failed:" and its traceback,
         "died (exit code N)" if it is gone without a word, or None while it runs silently."""
         pipe, process = self.pipes[rank - 1], self.processes[rank - 1]
-        try:
+        with contextlib.suppress(EOFError, OSError):  # its end of the pipe closed: it died
             if pipe.poll(wait):
                 return pipe.recv()
-        except (EOFError, OSError):  # its end of the pipe closed: it died
-            pass
         if process.is_alive():
             return None
         process.join()
@@ -138,10 +137,8 @@ class Workers:
     def close(self) -> None:
         """Stop every worker: ask (None instead of a Batch), wait a little, then terminate."""
         for pipe in self.pipes:
-            try:
+            with contextlib.suppress(OSError):  # that worker is gone already
                 pipe.send(None)
-            except OSError:  # that worker is gone already
-                pass
         for process in self.processes:
             process.join(timeout=2)  # one stuck in a collective never reads the pipe
             if process.is_alive():
@@ -180,10 +177,8 @@ def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: o
     except EOFError:  # rank 0 is gone
         pass
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):  # rank 0 is gone too
             pipe.send("failed:\n" + traceback.format_exc())
-        except OSError:  # rank 0 is gone too
-            pass
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -54,8 +54,7 @@ class SamplingParams:
                 "stop_token_ids", stop, "None or a list of ints >= 0")
         require(seed is None or is_int(seed), "seed", seed, "an int or None")
         require(is_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
+        for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
             require(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), name, value,
                     f"None or an int in [0, {MAX_LOGPROBS}]")
         strings = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -63,13 +62,11 @@ class SamplingParams:
                 "stop", self.stop, "None, a non-empty str or a list of non-empty strs")
         # Store plain Python values (a numpy scalar becomes a float or an int) and a tuple, so the
         # params hash like any frozen dataclass; frozen, so through object.__setattr__.
-        object.__setattr__(self, "temperature", float(t))
-        object.__setattr__(self, "top_p", float(p))
-        object.__setattr__(self, "top_k", int(k))
-        object.__setattr__(self, "max_tokens", int(m))
-        object.__setattr__(self, "stop_token_ids", None if stop is None else tuple(int(s) for s in stop))
-        object.__setattr__(self, "seed", None if seed is None else int(seed))
-        object.__setattr__(self, "stop", None if strings is None else tuple(strings))
+        plain = dict(temperature=float(t), top_p=float(p), top_k=int(k), max_tokens=int(m),
+                     stop_token_ids=None if stop is None else tuple(int(s) for s in stop),
+                     seed=None if seed is None else int(seed), stop=None if strings is None else tuple(strings))
+        for name, value in plain.items():
+            object.__setattr__(self, name, value)
 
     def for_sample(self, index: int) -> SamplingParams:
         """The params of sample `index` of n: one sample, seeded seed + index as in vLLM (each its own
@@ -114,10 +111,8 @@ def is_int(value: object) -> bool:
 
 def is_finite_real(value: object) -> bool:
     """Any real number type (numpy's float32 too), but not bool, nan, inf or an int beyond float."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        return False
     try:
-        return math.isfinite(value)
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     except OverflowError:  # an int too large for a float
         return False
 

@@ -25,13 +25,11 @@ def format_step(result: StepResult, step_index: int | None = None) -> str:
     # Rows are padded to the longest table with the null block 0, which no request owns: drop it.
     tables = [[b for b in row if b != 0] for row in batch.block_tables.tolist()]
     lines.append(f"{'block_tables':<15} = {tables}")
-    prefill, decode = [], []
-    for (request_id, num_tokens), start in zip(result.scheduled, batch.query_start_loc.tolist()):
-        first_position = batch.positions[start].item()
-        if request_id in result.decode_ids:
-            decode.append(f"{request_id} at position {first_position}")
-        else:
-            prefill.append(f"{request_id} ({num_tokens} tokens from position {first_position})")
+    # each request's id, its number of tokens in this step and the position of the first of them
+    runs = [(request_id, num_tokens, batch.positions[start].item())
+            for (request_id, num_tokens), start in zip(result.scheduled, batch.query_start_loc.tolist())]
+    prefill = [f"{r} ({n} tokens from position {p})" for r, n, p in runs if r not in result.decode_ids]
+    decode = [f"{r} at position {p}" for r, n, p in runs if r in result.decode_ids]
     finished = [f"{o.request_id} ({o.finish_reason}, {len(o.token_ids)} tokens out)" for o in result.outputs]
     for name, items in (("prefill", prefill), ("decode", decode), ("finished", finished)):
         lines.append(f"{name:<15} : {', '.join(items) or '-'}")
