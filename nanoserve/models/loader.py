@@ -15,13 +15,14 @@ import json
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from nanoserve.distributed import Shard
 from nanoserve.layers.linear import pack_linears
 from nanoserve.models.llama import CHECKPOINT_MODULES, LlamaForCausalLM
-from nanoserve.distributed import Shard
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_backend: str,
@@ -33,8 +34,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_ba
     with torch.device("meta"):  # shapes only: every parameter is replaced by a checkpoint tensor
         model = LlamaForCausalLM(config, attention_backend, shard)
     files = index_checkpoint(Path(path))
-    check_shapes(files, expected_shapes(config, model.head_dim))
-    for name, param in list(model.named_parameters()):
+    check_shapes(files, expected_shapes(config))
+    for name, _ in list(model.named_parameters()):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         # A fused parameter stacks its checkpoint tensors on the output dim, e.g. q, k, v
@@ -91,26 +92,14 @@ def index_checkpoint(folder: Path) -> dict[str, Path]:
     return names
 
 
-def expected_shapes(config: PretrainedConfig, head_dim: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama checkpoint must hold (Hugging Face names), with its shape."""
-    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    q_size, kv_size = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (vocab, hidden)
-    for i in range(config.num_hidden_layers):
-        layer = f"model.layers.{i}"
-        shapes |= {
-            f"{layer}.self_attn.q_proj.weight": (q_size, hidden),
-            f"{layer}.self_attn.k_proj.weight": (kv_size, hidden),
-            f"{layer}.self_attn.v_proj.weight": (kv_size, hidden),
-            f"{layer}.self_attn.o_proj.weight": (hidden, q_size),
-            f"{layer}.mlp.gate_proj.weight": (inter, hidden),
-            f"{layer}.mlp.up_proj.weight": (inter, hidden),
-            f"{layer}.mlp.down_proj.weight": (hidden, inter),
-            f"{layer}.input_layernorm.weight": (hidden,),
-            f"{layer}.post_attention_layernorm.weight": (hidden,),
-        }
+def expected_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Llama checkpoint must hold (Hugging Face names), with its shape: what transformers'
+    own Llama holds, built on the meta device (shapes only, no memory). A tied lm_head is not stored."""
+    with torch.device("meta"):
+        reference = transformers.LlamaForCausalLM(config)
+    shapes = {name: tuple(tensor.shape) for name, tensor in reference.state_dict().items()}
+    if config.tie_word_embeddings:
+        del shapes["lm_head.weight"]
     return shapes
 
 
