@@ -10,7 +10,7 @@ point: every engine runs on the same machine in the same run.
     python -m nanoserve.bench --workload shared-prefix   # 32 requests, one 256-token system prompt, all at once
     python -m nanoserve.bench --profile-decode 48        # where one decode step of 48 requests spends its time
     python -m nanoserve.bench --server http://127.0.0.1:8000 --rates 2,4,8   # the same load over HTTP + SSE
-    python -m nanoserve.bench --llama-cpp llama-batched-bench --gguf model.gguf --model HF_FOLDER   # vs llama.cpp, transformers
+    python -m nanoserve.bench --llama-cpp llama-batched-bench --gguf model.gguf --model HF_FOLDER  # vs llama.cpp
 """
 from __future__ import annotations
 
@@ -285,7 +285,8 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:  # qkv, o, gate_up, down
-        return self.hidden * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden + 3 * self.hidden * self.intermediate
+        qkv, o = self.hidden * (self.q_size + 2 * self.kv_size), self.q_size * self.hidden
+        return qkv + o + 3 * self.hidden * self.intermediate
 
 
 def step_limit(step: Step, m: ModelShape, machine: Machine) -> tuple[float, bool]:
@@ -305,8 +306,9 @@ def step_limit(step: Step, m: ModelShape, machine: Machine) -> tuple[float, bool
 # ------------------------------------------------------------------------------------ reporting
 
 def report(results: list[Result], machine: Machine, shape: ModelShape) -> str:
-    lines = ["| engine | output tok/s | total tok/s | TTFT p50 / p99 (s) | TPOT (ms) | peak KV used / allocated (slots) "
-             "| tokens computed (preemptions) | nanoserve ÷ this |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| engine | output tok/s | total tok/s | TTFT p50 / p99 (s) | TPOT (ms) "
+             "| peak KV used / allocated (slots) | tokens computed (preemptions) | nanoserve ÷ this |",
+             "|---|---|---|---|---|---|---|---|"]
     ours = next((r for r in results if r.engine == "nanoserve"), None)
     for r in results:
         kv = f"{r.peak_kv_used} / {r.peak_kv_allocated}" if r.peak_kv_used is not None else "n/a"
@@ -327,8 +329,8 @@ def report(results: list[Result], machine: Machine, shape: ModelShape) -> str:
                  f"(roofline; {sum(c for _, c in limits)} steps compute-bound)")
     for r in results:
         lines.append(f"- {r.engine}: {r.seconds:.2f} s, {100 * roofline / r.seconds:.0f}% of the roofline")
-    lines += [f"\n{scheduled.engine} by phase:", "| phase | steps | seconds | share of time | roofline (s) | % of roofline |",
-              "|---|---|---|---|---|---|"]
+    lines += [f"\n{scheduled.engine} by phase:",
+              "| phase | steps | seconds | share of time | roofline (s) | % of roofline |", "|---|---|---|---|---|---|"]
     for phase in ("prefill", "mixed", "decode"):
         steps = [(s, limit) for s, (limit, _) in zip(scheduled.steps, limits) if s.phase == phase]
         seconds, limit = sum(s.seconds for s, _ in steps), sum(limit for _, limit in steps)
@@ -412,8 +414,8 @@ def online_report(runs: list[OnlineRun], slo: dict[str, float]) -> str:
     """The table, then where each scheduler's goodput peaks: past that rate it saturates (requests
     queue and miss their SLOs), and the ratio of the two at static batching's peak rate."""
     slos = ", ".join(f"{key} <= {limit:g} ms" for key, limit in slo.items())
-    lines = [f"| scheduling | rate (req/s) | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | goodput (req/s; {slos}) | seconds |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| scheduling | rate (req/s) | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
+             f"| goodput (req/s; {slos}) | seconds |", "|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r.scheduling} | {r.rate:g} | {percentile(r.ttft, 50):.2f} / {percentile(r.ttft, 99):.2f} | "
                      f"{1000 * percentile(r.tpot, 50):.1f} / {1000 * percentile(r.tpot, 99):.1f} | "
@@ -461,17 +463,19 @@ def stream_completion(client, model: str, request: Request, arrival: float) -> S
 
 def run_http(url: str, workload: list[Request], rates: list[float], seed: int, api_key: str | None) -> str:
     """`run_online`'s Poisson load sent to a running OpenAI-compatible server, one thread per request."""
-    import httpx
     from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    lines = ["| rate (req/s) | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | output tok/s | seconds |", "|---|---|---|---|---|"]
+    lines = ["| rate (req/s) | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | output tok/s | seconds |",
+             "|---|---|---|---|---|"]
     with httpx.Client(base_url=url, headers=headers, timeout=600, limits=httpx.Limits(max_connections=None)) as client:
         model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
         stream_completion(client, model, Request(workload[0].prompt, 2), time.perf_counter())  # warm-up
         for rate in rates:
             arrivals, start = poisson_arrivals(len(workload), rate, seed), time.perf_counter()
 
-            def send(i: int) -> Stream:
+            def send(i: int, start: float = start, arrivals: list[float] = arrivals) -> Stream:
                 time.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
                 return stream_completion(client, model, workload[i], start + arrivals[i])
 
@@ -527,7 +531,8 @@ def profile_decode(path: str, num_requests: int, vocab_size: int, config: dict) 
     return ("| dtype | requests | step (ms) | attention | matmuls | SDPA | index_select (KV gather) |\n"
             "|---|---|---|---|---|---|---|\n"
             f"| {config['dtype']} | {num_requests} | {1000 * step:.1f} | {100 * attend / step:.0f}% | "
-            f"{share('aten::mm', 'aten::addmm', 'mkldnn::_linear_pointwise'):.0f}% | {share('aten::_scaled_dot_product_flash_attention_for_cpu'):.0f}% | "
+            f"{share('aten::mm', 'aten::addmm', 'mkldnn::_linear_pointwise'):.0f}% | "
+            f"{share('aten::_scaled_dot_product_flash_attention_for_cpu'):.0f}% | "
             f"{share('aten::index_select'):.0f}% |")
 
 
@@ -672,7 +677,8 @@ def main(argv: list[str] | None = None) -> None:
     mode.add_argument("--online", action="store_true", help="Poisson arrivals to nanoserve continuous and static")
     mode.add_argument("--profile-decode", type=int, metavar="N", help="profile one decode step of N requests instead")
     mode.add_argument("--server", metavar="URL", help="Poisson arrivals over HTTP to a running server (no engine here)")
-    mode.add_argument("--llama-cpp", metavar="BINARY", help="llama-batched-bench vs nanoserve, per batch size (needs --gguf)")
+    mode.add_argument("--llama-cpp", metavar="BINARY",
+                      help="llama-batched-bench vs nanoserve, per batch size (needs --gguf)")
     mode.add_argument("--tensor-parallel", type=int, metavar="N",
                       help="nanoserve on 1 process vs N ranks (tensor parallelism), --threads each")
     p.add_argument("--gguf", help="with --llama-cpp: the --model checkpoint converted to GGUF in the same dtype")

@@ -97,8 +97,8 @@ def check_tensor_parallel(size: int, hf_config: PretrainedConfig, device: torch.
     """N must split the heads, the MLP and the vocabulary evenly, and have a device per rank; this
     process must not be in a process group already."""
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-        if getattr(hf_config, name) % size:
-            raise ValueError(f"tensor_parallel_size={size} does not divide the model's {name}={getattr(hf_config, name)}")
+        if (value := getattr(hf_config, name)) % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide the model's {name}={value}")
     if size > 1 and dist.is_initialized():
         gc.collect()  # an LLM dropped without close() leaves the group once it is collected
     if size > 1 and dist.is_initialized():

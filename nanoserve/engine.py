@@ -25,7 +25,7 @@ from nanoserve.model_runner import ModelRunner
 from nanoserve.models.loader import read_config
 from nanoserve.outputs import RequestOutput, StepResult, request_delta, request_output
 from nanoserve.parallel import TensorParallelRunner
-from nanoserve.sampler import InvalidRequest, SamplingParams
+from nanoserve.sampler import InvalidRequest, SamplingParams, require
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
 from nanoserve.tokenizer import load_tokenizer, read_eos_token_ids, tokenize
@@ -78,12 +78,10 @@ class LLMEngine:
         earlier than now: TTFT and latency count from it (a server passes the time its HTTP request
         came in, so its own queue wait counts)."""
         params = sampling_params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest("sampling_params", f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        require(isinstance(params, SamplingParams), "sampling_params", type(params).__name__, "a SamplingParams")
         if request_id is None:  # the next number that no caller has taken as an id
             request_id = next(i for i in map(str, self.request_counter) if i not in self.requests)
-        if not isinstance(request_id, str):
-            raise InvalidRequest("request_id", f"request_id must be a str, got {type(request_id).__name__}")
+        require(isinstance(request_id, str), "request_id", type(request_id).__name__, "a str")
         if request_id in self.requests:
             raise InvalidRequest("request_id", f"request_id {request_id!r} is already in use")
         if params.n != 1:
@@ -91,10 +89,11 @@ class LLMEngine:
                                       "the server add n requests, one per SamplingParams.for_sample(i)")
         token_ids = tokenize(prompt, self.tokenizer, self.vocab_size)
         if len(token_ids) > self.max_model_len:
-            raise InvalidRequest("prompt", f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
-        bad = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
-        if bad:
-            raise InvalidRequest("stop_token_ids", f"stop_token_ids {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
+            raise InvalidRequest("prompt", f"prompt has {len(token_ids)} tokens, more than "
+                                           f"max_model_len={self.max_model_len}")
+        if bad := [t for t in params.stop_token_ids or () if t >= self.vocab_size]:
+            raise InvalidRequest("stop_token_ids", f"stop_token_ids {bad[:5]} are outside "
+                                                   f"[0, vocab_size={self.vocab_size})")
         detokenizer = Detokenizer(self.tokenizer, params.stop or ()) if self.tokenizer else None
         seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, detokenizer)
         if arrival_time is not None:
@@ -151,7 +150,7 @@ class LLMEngine:
             if self.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never expected
             return StepResult(None, [], [], aborted, [])
-        decode_ids = [seq.request_id for seq, n in scheduled if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens]
+        decode_ids = [s.request_id for s, n in scheduled if n == 1 and s.num_computed_tokens >= s.num_prompt_tokens]
         batch = build_batch(scheduled, self.block_size, self.device)
         sampling = [seq for seq, n in scheduled if samples_now(seq, n)]
         finished = self.scheduler.update(scheduled, self.model_runner.run(batch, scheduled))  # appends, stops, frees

@@ -58,8 +58,8 @@ class SamplingParams:
             require(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), name, value,
                     f"None or an int in [0, {MAX_LOGPROBS}]")
         strings = (self.stop,) if isinstance(self.stop, str) else self.stop
-        require(strings is None or (isinstance(strings, (list, tuple)) and all(isinstance(s, str) and s for s in strings)),
-                "stop", self.stop, "None, a non-empty str or a list of non-empty strs")
+        ok = strings is None or isinstance(strings, (list, tuple)) and all(isinstance(s, str) and s for s in strings)
+        require(ok, "stop", self.stop, "None, a non-empty str or a list of non-empty strs")
         # Store plain Python values (a numpy scalar becomes a float or an int) and a tuple, so the
         # params hash like any frozen dataclass; frozen, so through object.__setattr__.
         plain = dict(temperature=float(t), top_p=float(p), top_k=int(k), max_tokens=int(m),
@@ -176,5 +176,5 @@ def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[in
     ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1                          # [R]
     top = logprobs.topk(max(num_top, default=0), dim=-1)                          # [R, max N]
     rows = zip(token_ids.tolist(), chosen.tolist(), ranks.tolist(), top.indices.tolist(), top.values.tolist(), num_top)
-    return [{token: Logprob(logprob, rank)} | {t: Logprob(v, r + 1) for r, (t, v) in enumerate(zip(ids[:k], values[:k]))}
+    return [{token: Logprob(logprob, rank)} | {t: Logprob(v, r) for r, (t, v) in enumerate(zip(ids[:k], values[:k]), 1)}
             for token, logprob, rank, ids, values, k in rows]

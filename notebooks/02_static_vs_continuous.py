@@ -16,7 +16,8 @@
 # %% [markdown]
 # # 02 · Static vs continuous batching, measured
 #
-# Write-ups on continuous batching ([docs/batching.md](../docs/batching.md#how-much-it-gains)) say that continuous batching raises throughput 3-5x over
+# Write-ups on continuous batching ([docs/batching.md](../docs/batching.md#how-much-it-gains)) say that
+# continuous batching raises throughput 3-5x over
 # static batching and KV-cache utilisation from 40% to 85%. This notebook runs one workload both ways
 # on this machine and measures: batch occupancy per step, KV slots in use vs reserved, per-request
 # time to first token (TTFT) and latency, and throughput.
@@ -125,7 +126,8 @@ fig, axes = plt.subplots(1, 2, figsize=(11, 3.2), sharey=True)
 for ax, (name, r) in zip(axes, runs.items()):
     in_use = [s["kv_in_use"] for s in r["steps"]]
     reserved = [s["kv_reserved"] for s in r["steps"]]
-    ax.fill_between(range(len(reserved)), in_use, reserved, color="tab:red", alpha=0.3, step="post", label="reserved, empty")
+    ax.fill_between(range(len(reserved)), in_use, reserved, color="tab:red", alpha=0.3, step="post",
+                    label="reserved, empty")
     ax.plot(reserved, color="tab:red", drawstyle="steps-post", label="reserved")
     ax.plot(in_use, color="tab:blue", drawstyle="steps-post", label="in use")
     ax.set(title=f"{name}: KV utilisation {sum(in_use) / sum(reserved):.0%}", xlabel="step")

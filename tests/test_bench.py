@@ -7,12 +7,24 @@ import httpx
 import pytest
 import torch
 
-from conftest import build_tiny_llama
-
 import nanoserve
+from conftest import build_tiny_llama
 from nanoserve import LLMEngine, bench
-from nanoserve.bench import (Machine, ModelShape, OnlineRun, PeerRow, Step, main, make_workload, online_report,
-                             parse_batched_bench, peer_table, run_transformers_batch, step_limit, stream_completion)
+from nanoserve.bench import (
+    Machine,
+    ModelShape,
+    OnlineRun,
+    PeerRow,
+    Step,
+    main,
+    make_workload,
+    online_report,
+    parse_batched_bench,
+    peer_table,
+    run_transformers_batch,
+    step_limit,
+    stream_completion,
+)
 from nanoserve.config import Config
 from nanoserve.serve import ServerThread, build_app
 
@@ -100,7 +112,8 @@ def test_shared_prefix_workload_computes_the_system_prompt_once(tmp_path, capsys
     out = capsys.readouterr().out
     workload = make_workload(5, (16, 64), (16, 64), 256, 0, shared_prefix=256)
     prompt_tokens = sum(len(r.prompt) for r in workload)
-    on, off = ([int(x) for x in line.split(" | ")[1:3]] for line in out.splitlines() if line.startswith(("| on |", "| off |")))
+    rows = [line for line in out.splitlines() if line.startswith(("| on |", "| off |"))]
+    on, off = ([int(x) for x in line.split(" | ")[1:3]] for line in rows)
     assert off == [prompt_tokens, 0]
     assert on == [prompt_tokens - 4 * 256, 4 * 256]  # one request computes it, the 4 others share it
 
@@ -177,7 +190,8 @@ def test_llama_cpp_output_is_parsed_per_batch_size(capsys):
               '"t_pp": 0.5, "speed_pp": 2048.0, "t_tg": 2.56, "speed_tg": 400.0, "t": 3.06, "speed": 669.28}\n')
     assert parse_batched_bench(output) == [PeerRow("llama.cpp", 8, 20.0, 669.28)]
     try:
-        main(["--model", nanoserve.DEFAULT_MODEL, "--llama-cpp", "/nonexistent/llama-batched-bench", "--gguf", "x.gguf"])
+        main(["--model", nanoserve.DEFAULT_MODEL, "--llama-cpp", "/nonexistent/llama-batched-bench",
+              "--gguf", "x.gguf"])
     except SystemExit as error:
         assert "not found" in str(error)
     else:
@@ -188,10 +202,12 @@ def test_llama_cpp_output_is_parsed_per_batch_size(capsys):
 # engines' numbers into its column, and the nanoserve / llama.cpp ratio taken upside down.
 def test_peer_table_puts_each_engine_in_its_own_column(tiny_models):
     rows = [PeerRow("llama.cpp", 1, 20.0, 100.0), PeerRow("nanoserve", 1, 30.0, 60.0),
-            PeerRow("nanoserve", 64, 200.0, 500.0), run_transformers_batch(tiny_models["gqa"], 2, 4, 3, "float32", 256, 0)]
+            PeerRow("nanoserve", 64, 200.0, 500.0),
+            run_transformers_batch(tiny_models["gqa"], 2, 4, 3, "float32", 256, 0)]
     lines = peer_table(rows).splitlines()
-    assert lines[0] == ("| B | llama.cpp ms/token | nanoserve ms/token | transformers ms/token | llama.cpp total tok/s | "
-                        "nanoserve total tok/s | transformers total tok/s | nanoserve ÷ llama.cpp ms/token |")
+    assert lines[0] == ("| B | llama.cpp ms/token | nanoserve ms/token | transformers ms/token | "
+                        "llama.cpp total tok/s | nanoserve total tok/s | transformers total tok/s | "
+                        "nanoserve ÷ llama.cpp ms/token |")
     assert lines[2] == "| 1 | 20.0 | 30.0 | n/a | 100 | 60 | n/a | 1.50x |"
     assert lines[3].startswith("| 2 | n/a | n/a | ") and lines[3].endswith(" | n/a |")  # transformers only
     assert lines[4] == "| 64 | n/a | 200.0 | n/a | n/a | 500 | n/a | n/a |"

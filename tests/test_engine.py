@@ -179,7 +179,8 @@ def test_flash_backend_agrees_with_transformers_in_bfloat16(tiny_models):
     theirs = []
     for prompt, n in zip(PROMPTS, MAX_TOKENS):
         ids = torch.tensor([prompt], device="cuda")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, pad_token_id=0)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                             pad_token_id=0)
         theirs.append(out[0, len(prompt):].tolist())
     # bfloat16 kernels differ in summation order, so a near-tie may flip late in a sequence:
     # the first token of every request must agree, and nearly all tokens overall.
@@ -238,8 +239,8 @@ def test_stop_rules_at_the_edges(tiny_models, tmp_path):
     eos = LLM(str(copy), block_size=4).generate([PROMPTS[2]], greedy(first + 1), use_tqdm=False)[0]
     # EOS sampled as the last allowed token is a stop, not a length cut.
     assert (eos.token_ids, eos.finish_reason) == (expected[:first + 1], "stop")
-    stop = LLM(path, block_size=4).generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=first + 1, stop_token_ids=[last]),
-                        use_tqdm=False)[0]
+    params = SamplingParams(temperature=0, max_tokens=first + 1, stop_token_ids=[last])
+    stop = LLM(path, block_size=4).generate([PROMPTS[2]], params, use_tqdm=False)[0]
     assert (stop.token_ids, stop.finish_reason) == (expected[:first + 1], "stop")
     # A prompt of exactly max_model_len tokens is served: one token, then the length limit.
     llm, full = LLM(path, block_size=4, max_model_len=32), list(range(3, 35))

@@ -233,6 +233,7 @@ def test_seeded_tokens_are_the_same_in_another_process():
     code = ("import torch; from nanoserve.sampler import SamplingParams, sample; "
             "print([sample(torch.zeros(1, 1000), [SamplingParams(seed=7)], [n])[0] for n in range(20)])")
     hash_seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
-    env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": root}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(seeded_tokens(7))
