@@ -64,11 +64,9 @@ class Scheduler:
         """Plan one step. Returns the scheduled requests in batch order."""
         scheduled, preempted = self.schedule_running()
         # A step that preempted is out of blocks: an admission would only be preempted in turn.
-        if preempted:
-            return scheduled
         # Static batching, difference 1 of 3: a new batch is admitted only once the last one has
         # completely finished (continuous batching admits at every step).
-        if self.config.scheduling == "static" and self.running:
+        if preempted or (self.config.scheduling == "static" and self.running):
             return scheduled
         budget = self.config.max_num_batched_tokens - sum(num_new for _, num_new in scheduled)
         return scheduled + self.admit_waiting(budget)
@@ -82,8 +80,12 @@ class Scheduler:
         for seq in list(self.running):  # a copy: preempting removes the newest from self.running
             if budget == 0 or seq in preempted:  # a victim already: so are all requests newer than it
                 break
-            preempted += self.make_room(seq)
-            if seq in preempted:  # it was the newest left: no one after it runs either
+            # Make room: preempt the newest running requests until seq can write at least one more
+            # token, or until seq itself was preempted (it was the newest left: no one after it runs).
+            while self.block_manager.num_free_slots(seq) == 0 and seq not in preempted:
+                preempted.append(self.running[-1])
+                self.preempt(preempted[-1])
+            if seq in preempted:
                 break
             # A prefill chunk shrinks to what seq's blocks and the free blocks hold (>= 1 token now).
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self.block_manager.num_free_slots(seq))
@@ -93,15 +95,6 @@ class Scheduler:
             scheduled.append((seq, num_new))
             budget -= num_new
         return scheduled, preempted
-
-    def make_room(self, seq: Sequence) -> list[Sequence]:
-        """Preempt the newest running requests until seq can write at least one more token, or until
-        seq itself was preempted (it was the newest left). Returns them, newest first."""
-        victims: list[Sequence] = []
-        while self.block_manager.num_free_slots(seq) == 0 and seq not in victims:
-            victims.append(self.running[-1])
-            self.preempt(victims[-1])
-        return victims
 
     def admit_waiting(self, budget: int) -> list[ScheduledSeq]:
         """Move waiting requests to running, first come first served, while they fit. The first that
@@ -137,9 +130,7 @@ class Scheduler:
         """KV slots seq takes when admitted. Continuous batching: only what this step writes; later
         steps take blocks as tokens arrive. Static batching, difference 3 of 3: the whole request up
         front, because nobody knows when it will stop: so it is never preempted."""
-        if self.config.scheduling == "continuous":
-            return num_tokens_now
-        return self.max_kv_len(seq)
+        return num_tokens_now if self.config.scheduling == "continuous" else self.max_kv_len(seq)
 
     def max_kv_len(self, seq: Sequence) -> int:
         """The most KV seq can ever hold: prompt + max_tokens - 1 (the last sampled token is never

@@ -34,7 +34,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_ba
     with torch.device("meta"):  # shapes only: every parameter is replaced by a checkpoint tensor
         model = LlamaForCausalLM(config, attention_backend, shard)
     files = index_checkpoint(Path(path))
-    check_shapes(files, expected_shapes(config))
+    check_shapes(files, config)
     for name, _ in list(model.named_parameters()):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -92,20 +92,16 @@ def index_checkpoint(folder: Path) -> dict[str, Path]:
     return names
 
 
-def expected_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama checkpoint must hold (Hugging Face names), with its shape: what transformers'
-    own Llama holds, built on the meta device (shapes only, no memory). A tied lm_head is not stored."""
+def check_shapes(files: dict[str, Path], config: PretrainedConfig) -> None:
+    """Fail before loading anything if a tensor is missing or has the wrong shape. Which tensors a Llama
+    checkpoint holds, and their shapes, is what transformers' own Llama holds, built on the meta device
+    (shapes only, no memory); a tied lm_head is not stored."""
     with torch.device("meta"):
         reference = transformers.LlamaForCausalLM(config)
-    shapes = {name: tuple(tensor.shape) for name, tensor in reference.state_dict().items()}
-    if config.tie_word_embeddings:
-        del shapes["lm_head.weight"]
-    return shapes
-
-
-def check_shapes(files: dict[str, Path], shapes: dict[str, tuple[int, ...]]) -> None:
-    """Fail before loading anything if a tensor is missing or has the wrong shape."""
-    for name, shape in shapes.items():
+    for name, tensor in reference.state_dict().items():
+        shape = tuple(tensor.shape)
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
         if name not in files:
             raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
         with safe_open(files[name], framework="pt") as f:
