@@ -34,9 +34,9 @@ def resolve_dtype(name: str, device: torch.device, model: str | None = None) -> 
     """Config's dtype name -> torch dtype. "auto" follows the checkpoint, as transformers and vLLM do:
     the `dtype` (or older `torch_dtype`) in `model`'s config.json, float32 where it names none; on
     CUDA float32 becomes bfloat16 (flash-attn needs 16 bits), or float16 below compute capability 8.0,
-    which has no bfloat16 tensor cores (vLLM's rule). A CPU without native bf16 matmuls
-    (`has_native_bf16`) emulates them, slower than float32: there "auto" picks float32 and logs why,
-    and a bfloat16 asked for by name obeys with a warning (vLLM's CPU rule)."""
+    which has no bfloat16 tensor cores (vLLM's rule). On a CPU "auto" keeps bfloat16 only where its
+    matmuls beat float32 at batch decode (`has_native_bf16(batched=True)`: AMX on x86), else runs
+    float32 and logs why; a bfloat16 asked for by name obeys, with a warning where it is emulated."""
     asked = name
     if name == "auto":
         config_file = Path(model or "", "config.json")
@@ -47,23 +47,26 @@ def resolve_dtype(name: str, device: torch.device, model: str | None = None) -> 
             dtype = torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
     else:
         dtype = getattr(torch, name)
-    if dtype == torch.bfloat16 and device.type == "cpu" and not has_native_bf16():
+    if dtype == torch.bfloat16 and device.type == "cpu" and not has_native_bf16(batched=asked == "auto"):
         if asked == "auto":
-            logging.getLogger(__name__).warning("dtype='auto': the checkpoint is bfloat16, but this CPU has no native "
-                                                "bfloat16 matmuls (emulated, slower): running in float32")
+            logging.getLogger(__name__).warning("dtype='auto': the checkpoint is bfloat16, but on this CPU bfloat16 "
+                                                "matmuls are slower than float32 (no AMX): running in float32")
             return torch.float32
         warnings.warn("this CPU has no native bfloat16 matmuls: bfloat16 will be slow; float32 is faster here",
                       stacklevel=2)
     return dtype
 
 
-def has_native_bf16() -> bool:
+def has_native_bf16(batched: bool = False) -> bool:
     """Whether this CPU multiplies bfloat16 natively: oneDNN's bf16 kernels are on (they are not on an AVX2
     CPU, nor under ONEDNN_MAX_CPU_ISA=AVX2) and, on x86, AVX512-BF16 or AMX does the products (plain AVX512
-    converts each to float32 first). Arm: oneDNN enables bf16 only where the CPU has BF16 instructions."""
+    converts each to float32 first). Arm: oneDNN enables bf16 only where the CPU has BF16 instructions.
+    `batched`: and faster than float32 for a batch of decodes, which on x86 takes AMX: with AVX512-BF16
+    alone, 48 requests ran slower in bfloat16 than in float32 on both CPUs measured (README, "Which CPU")."""
     onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i686")
-    return onednn and (not x86 or torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    avx512_bf16 = torch.cpu._is_avx512_bf16_supported() and not batched
+    return onednn and (not x86 or avx512_bf16 or torch.cpu._is_amx_tile_supported())
 
 
 def free_memory(device: torch.device) -> tuple[int, int]:

@@ -318,7 +318,7 @@ def write_config(folder: Path, **fields: object) -> str:
 
 def test_auto_dtype_follows_the_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(device, "has_native_bf16", lambda: True)  # a CPU with AVX512-BF16 or AMX
+    monkeypatch.setattr(device, "has_native_bf16", lambda batched=False: True)  # a CPU with AMX
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # only resolved here, nothing runs on CUDA
     fp32 = write_config(tmp_path / "fp32", dtype="float32")
     bf16 = write_config(tmp_path / "bf16", dtype="bfloat16")
@@ -347,7 +347,7 @@ def test_auto_dtype_never_emulates_bfloat16(tmp_path, monkeypatch, caplog):
     """Without native bf16 matmuls "auto" runs a bfloat16 checkpoint in float32 and logs one line
     saying why; bfloat16 asked for by name obeys, with a warning. Catches "auto" picking an
     emulated dtype (2-5x slower at batch decode on an AVX2 CPU), or overruling an explicit name."""
-    monkeypatch.setattr(device, "has_native_bf16", lambda: False)
+    monkeypatch.setattr(device, "has_native_bf16", lambda batched=False: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     bf16 = write_config(tmp_path / "bf16", dtype="bfloat16")
     cpu = torch.device("cpu")
@@ -359,6 +359,24 @@ def test_auto_dtype_never_emulates_bfloat16(tmp_path, monkeypatch, caplog):
     with pytest.warns(UserWarning, match="slow"):
         assert resolve_dtype("bfloat16", cpu, bf16) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cuda"), bf16) == torch.bfloat16  # the rule is the CPU's
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_auto_dtype_keeps_bfloat16_on_a_cpu_only_where_it_beats_float32(tmp_path, monkeypatch, amx):
+    """An x86 CPU with AVX512-BF16 multiplies bfloat16 natively, but without AMX batch decode ran slower
+    than in float32 (measured on two such CPUs): "auto" picks float32 there, bfloat16 with AMX; bfloat16
+    asked for by name runs without a warning on both. Catches "auto" slower than float32 on such a CPU,
+    or a warning (or a refusal) for a bfloat16 that is native."""
+    monkeypatch.setattr(device.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    bf16, cpu = write_config(tmp_path / "bf16", dtype="bfloat16"), torch.device("cpu")
+    assert resolve_dtype("auto", cpu, bf16) == (torch.bfloat16 if amx else torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_dtype("bfloat16", cpu, bf16) == torch.bfloat16
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="oneDNN's ISA names are x86's")
