@@ -12,6 +12,8 @@ import numpy as np
 import psutil
 import torch
 
+X86 = ("x86_64", "amd64", "i686")  # platform.machine() of an x86 CPU, lower case
+
 
 def resolve_device(name: str | None) -> torch.device:
     """Config's device -> torch.device. None picks CUDA where there is one, else the CPU; "mps"
@@ -57,16 +59,25 @@ def resolve_dtype(name: str, device: torch.device, model: str | None = None) -> 
     return dtype
 
 
+def has_onednn(dtype: torch.dtype) -> bool:
+    """Whether oneDNN multiplies `dtype` on this CPU: float32 on x86 (measured only there); bfloat16 where it
+    has bf16 kernels (AVX512 or newer, Arm BF16; not on AVX2, nor under ONEDNN_MAX_CPU_ISA=AVX2)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32 and platform.machine().lower() in X86
+
+
 def has_native_bf16(batched: bool = False) -> bool:
     """Whether this CPU multiplies bfloat16 natively: oneDNN's bf16 kernels are on (they are not on an AVX2
     CPU, nor under ONEDNN_MAX_CPU_ISA=AVX2) and, on x86, AVX512-BF16 or AMX does the products (plain AVX512
     converts each to float32 first). Arm: oneDNN enables bf16 only where the CPU has BF16 instructions.
     `batched`: and faster than float32 for a batch of decodes, which on x86 takes AMX: with AVX512-BF16
     alone, 48 requests ran slower in bfloat16 than in float32 on both CPUs measured (README, "Which CPU")."""
-    onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686")
     avx512_bf16 = torch.cpu._is_avx512_bf16_supported() and not batched
-    return onednn and (not x86 or avx512_bf16 or torch.cpu._is_amx_tile_supported())
+    x86_native = avx512_bf16 or torch.cpu._is_amx_tile_supported()
+    return has_onednn(torch.bfloat16) and (platform.machine().lower() not in X86 or x86_native)
 
 
 def free_memory(device: torch.device) -> tuple[int, int]:

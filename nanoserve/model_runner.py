@@ -91,9 +91,9 @@ class ModelRunner:
         """One forward pass over the flat batch, then one token for each request that samples now, with
         the logprobs asked for. A worker (no `scheduled`: rank 0 samples) returns nothing."""
         logits = self.model(batch, self.kv_cache)  # [S + P, vocab]: the rows that sample, then prompt-logprob rows
-        seqs = [seq for seq, num_new in scheduled if samples_now(seq, num_new)]
         if not scheduled:
             return SamplerOutput([], [], [])
+        seqs = [seq for seq, num_new in scheduled if samples_now(seq, num_new)]
         sampling, prompt_rows = logits[:len(seqs)], logits[len(seqs):]  # [S, vocab], [P, vocab]
         token_ids = sample(sampling, [s.params for s in seqs], [s.num_tokens - s.num_prompt_tokens for s in seqs])
         logprobs: list[dict[int, Logprob] | None] = [None] * len(seqs)

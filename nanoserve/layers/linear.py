@@ -8,10 +8,10 @@ figures: README, "Where a decode step's time goes").
 """
 from __future__ import annotations
 
-import platform
-
 import torch
 from torch import nn
+
+from nanoserve.device import has_onednn
 
 
 def column_major(weight: torch.Tensor) -> torch.Tensor:
@@ -32,16 +32,6 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
-
-
-def has_onednn(dtype: torch.dtype) -> bool:
-    """Whether oneDNN multiplies `dtype` on this CPU: float32 on x86 (measured only there); bfloat16 where it
-    has bf16 kernels (AVX512 or newer, Arm BF16; not on AVX2, nor under ONEDNN_MAX_CPU_ISA=AVX2)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return dtype == torch.float32 and platform.machine().lower() in ("x86_64", "amd64")
 
 
 def choose_linear(dtype: torch.dtype, max_num_seqs: int) -> str:
