@@ -54,7 +54,7 @@ torch.set_num_threads(1)
 # The roofline needs weights larger than the CPU's caches, or "memory" bandwidth would really be
 # cache bandwidth. The bundled tiny model fits in a large L3 cache, so this notebook builds the
 # benchmark's random Llama (`python -m nanoserve.bench`'s default: about 40M parameters, ~170 MB in
-# float32), so that its numbers and the README's benchmark tables describe the same model. Random
+# float32), so that its numbers and docs/performance.md's tables describe the same model. Random
 # weights are fine: speed does not depend on their values.
 
 # %%
