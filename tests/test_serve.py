@@ -218,16 +218,21 @@ def test_concurrent_streams_match_generate(server, offline):
 
 # --- Clients that leave --------------------------------------------------------------------------
 
-# Catches: a client that leaves mid-stream keeping its request running and its KV blocks held; the
-# aborted request's TTFT observed (it says when the client left, not how fast the server is).
+# Catches: a client that leaves mid-stream keeping its request running and its KV blocks held; its
+# e2e latency observed (it says when the client left, not how fast the server is); TTFT observed only
+# when a request finishes (as vLLM, at the first token: a running request's shows while it runs, and
+# an aborted stream that got a token counts, once); TTFT counted from the step, not the arrival.
 def test_disconnect_mid_stream_frees_blocks(server, monkeypatch):
     slow_steps(monkeypatch, server, 0.02)  # 100 tokens take 2 s
     before = metrics(server)
     body = dict(model=NAME, prompt=PROMPTS[1], max_tokens=100, temperature=0, stream=True, ignore_eos=True)
+    sent = time.perf_counter()
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
-                assert metrics(server)["vllm:kv_cache_usage_perc"] > 0  # held while we listen
+                waited = time.perf_counter() - sent  # the first token's time, as this client saw it
+                running = metrics(server)
+                assert running["vllm:kv_cache_usage_perc"] > 0  # held while we listen
                 break  # leave (httpx closes the connection here)
     m = wait_for_free_blocks(server)
     assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0
@@ -235,7 +240,11 @@ def test_disconnect_mid_stream_frees_blocks(server, monkeypatch):
     assert m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 50
     assert m["vllm:request_success_total{finished_reason=abort}"] - before.get(
         "vllm:request_success_total{finished_reason=abort}", 0) == 1
-    assert m["vllm:time_to_first_token_seconds_count"] == before["vllm:time_to_first_token_seconds_count"]
+    ttft = "vllm:time_to_first_token_seconds"
+    assert running[ttft + "_count"] - before[ttft + "_count"] == 1
+    assert m[ttft + "_count"] - before[ttft + "_count"] == 1
+    assert 0.02 <= m[ttft + "_sum"] - before[ttft + "_sum"] <= waited  # at least the slowed prefill step
+    assert m["vllm:e2e_request_latency_seconds_count"] == before["vllm:e2e_request_latency_seconds_count"]
 
 
 # Catches: a non-streamed request whose client gave up running on to the end (200 clients that left

@@ -4,8 +4,9 @@
 run and request finished (async_llm.StatLogger) before the request's handler hears of them, and
 /metrics shows the registry. Times count from a request's arrival, the HTTP request's (its wait for
 the tokenizer and the engine thread is in them). As vLLM:
-- time to first token and e2e latency only for requests that ran to the end: an aborted one's say
-  when its client left;
+- time to first token is observed at the request's first token, so a running request's shows while it
+  runs, and an aborted stream that got a token counts;
+- e2e latency only for requests that ran to the end: an aborted one's says when its client left;
 - queue time runs until the request is first scheduled.
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Metrics(StatLogger):
                                ["model_name", "finished_reason"], registry=self.registry)
         # Per unfinished request, on the engine thread only:
         self.unscheduled: dict[str, tuple[float, int]] = {}  # (arrival time, prompt tokens) until first scheduled
+        self.no_token_yet: dict[str, float] = {}              # arrival time until the first token
         self.last_token_time: dict[str, float] = {}
         self.seen = dict(num_preemptions=0, num_cached_tokens=0)  # engine.stats() counters when last read
 
@@ -53,6 +55,7 @@ class Metrics(StatLogger):
 
     def record_added(self, request_id: str, num_prompt_tokens: int, arrival_time: float) -> None:
         self.unscheduled[request_id] = (arrival_time, num_prompt_tokens)
+        self.no_token_yet[request_id] = arrival_time
         self.prompt_tokens.inc(num_prompt_tokens)
 
     def record_step(self, result: StepResult, start: float, end: float) -> None:
@@ -64,17 +67,17 @@ class Metrics(StatLogger):
         for delta in result.deltas:  # a delta carries the token its request sampled in this step
             request_id = delta.request_id
             self.generation_tokens.inc(len(delta.token_ids))
+            if request_id in self.no_token_yet:
+                self.ttft.observe(end - self.no_token_yet.pop(request_id))
             if request_id in self.last_token_time:
                 self.itl.observe(end - self.last_token_time[request_id])
             self.last_token_time[request_id] = end
 
     def record_finished(self, output: RequestOutput) -> None:
         self.success.labels(self.model_name, output.finish_reason).inc()
-        if output.finish_reason != "abort":  # an aborted request's times say when its client left
+        if output.finish_reason != "abort":  # an aborted request's latency says when its client left
             self.e2e_latency.observe(output.latency)
-            if output.ttft is not None:
-                self.ttft.observe(output.ttft)
-        for table in (self.unscheduled, self.last_token_time):
+        for table in (self.unscheduled, self.no_token_yet, self.last_token_time):
             table.pop(output.request_id, None)
 
     def record_engine(self, stats: dict[str, int]) -> None:
