@@ -298,6 +298,8 @@ class AsyncLLM:
         self.shutdown()
 
     def stream(self) -> RequestStream:
+        """An empty stream to submit requests to and read them back from together (generate uses one per
+        request; the server one per HTTP request)."""
         return RequestStream(self.engine_loop.inbox)
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str,

@@ -196,7 +196,6 @@ def parse(model: type[BodyT], body: dict) -> BodyT:
         raise APIError(message, param=problems[0][0].split(".")[0] or None) from None
 
 
-
 def given(value: T | None, default: T) -> T:
     return default if value is None else value
 

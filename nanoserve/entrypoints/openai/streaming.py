@@ -169,7 +169,6 @@ async def wait_for_disconnect(request: Request) -> None:
         pass
 
 
-
 def sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
