@@ -4,12 +4,12 @@
     schedule -> build_batch -> model forward + sample -> update (append tokens, stop, free blocks)
 Requests can be added and aborted between any two steps. Each step streams a `RequestDelta` for
 every request that sampled a token (its new text is settled: see detokenizer.py) and reports the
-requests that finished (outputs.py). The offline front end over it is `LLM` (llm.py); the HTTP
-server's is serve.py. The API mirrors vLLM's.
+requests that finished (outputs.py). Its front ends are `LLM` (llm.py), offline, and `AsyncLLM`
+(async_llm.py), for asyncio, which the HTTP server (entrypoints/openai/) is built on; as vLLM's.
 
 Not thread-safe: one thread owns an engine and makes every call on it (add_request, step,
 abort_request). Two threads in `step()` corrupt the bookkeeping, and an abort that lands inside a
-step breaks it. A server runs the engine loop in one thread and hands it requests and aborts
+step breaks it. AsyncLLM runs the engine loop in one thread and hands it requests and aborts
 through a queue.
 """
 from __future__ import annotations

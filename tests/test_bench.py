@@ -26,7 +26,7 @@ from nanoserve.bench import (
     stream_completion,
 )
 from nanoserve.config import Config
-from nanoserve.serve import ServerThread, build_app
+from nanoserve.entrypoints.openai.api_server import ServerThread, build_app
 
 
 def test_benchmark_runs_every_engine(tiny_models, tmp_path, capsys, monkeypatch):

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (nanoserve/serve.py), started on 127.0.0.1 and a free port, against
+"""The OpenAI-compatible server (nanoserve/entrypoints/openai/), started on 127.0.0.1 and a free port, against
 the bundled model with a chat template added; replies must equal LLM.generate / LLM.chat offline."""
 import json
 import logging
@@ -14,10 +14,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import nanoserve
-import nanoserve.serve
 from nanoserve import LLM, LLMEngine, SamplingParams
 from nanoserve.config import Config
-from nanoserve.serve import Limits, ServerThread, build_app
+from nanoserve.entrypoints.openai import api_server
+from nanoserve.entrypoints.openai.api_server import ServerThread, build_app
+from nanoserve.entrypoints.openai.protocol import Limits
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -96,7 +97,7 @@ def wait_for_free_blocks(server, seconds=10.0) -> dict[str, float]:
 
 
 def slow_steps(monkeypatch, server, seconds):
-    engine = server.serving.engine_loop.engine
+    engine = server.serving.async_llm.engine
     step = engine.step
     monkeypatch.setattr(engine, "step", lambda: time.sleep(seconds) or step())
 
@@ -194,7 +195,7 @@ def test_concurrent_streams_match_generate(server, offline):
     expected = [o.text for o in offline.generate(prompts, params, use_tqdm=False)]
     texts: list[str | None] = [None] * 32
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-    engine = server.serving.engine_loop.engine
+    engine = server.serving.async_llm.engine
     before, preemptions_before = metrics(server), engine.stats()["num_preemptions"]
 
     def run(i):
@@ -217,16 +218,21 @@ def test_concurrent_streams_match_generate(server, offline):
 
 # --- Clients that leave --------------------------------------------------------------------------
 
-# Catches: a client that leaves mid-stream keeping its request running and its KV blocks held; the
-# aborted request's TTFT observed (it says when the client left, not how fast the server is).
+# Catches: a client that leaves mid-stream keeping its request running and its KV blocks held; its
+# e2e latency observed (it says when the client left, not how fast the server is); TTFT observed only
+# when a request finishes (as vLLM, at the first token: a running request's shows while it runs, and
+# an aborted stream that got a token counts, once); TTFT counted from the step, not the arrival.
 def test_disconnect_mid_stream_frees_blocks(server, monkeypatch):
     slow_steps(monkeypatch, server, 0.02)  # 100 tokens take 2 s
     before = metrics(server)
     body = dict(model=NAME, prompt=PROMPTS[1], max_tokens=100, temperature=0, stream=True, ignore_eos=True)
+    sent = time.perf_counter()
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
-                assert metrics(server)["vllm:kv_cache_usage_perc"] > 0  # held while we listen
+                waited = time.perf_counter() - sent  # the first token's time, as this client saw it
+                running = metrics(server)
+                assert running["vllm:kv_cache_usage_perc"] > 0  # held while we listen
                 break  # leave (httpx closes the connection here)
     m = wait_for_free_blocks(server)
     assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0
@@ -234,7 +240,11 @@ def test_disconnect_mid_stream_frees_blocks(server, monkeypatch):
     assert m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 50
     assert m["vllm:request_success_total{finished_reason=abort}"] - before.get(
         "vllm:request_success_total{finished_reason=abort}", 0) == 1
-    assert m["vllm:time_to_first_token_seconds_count"] == before["vllm:time_to_first_token_seconds_count"]
+    ttft = "vllm:time_to_first_token_seconds"
+    assert running[ttft + "_count"] - before[ttft + "_count"] == 1
+    assert m[ttft + "_count"] - before[ttft + "_count"] == 1
+    assert 0.02 <= m[ttft + "_sum"] - before[ttft + "_sum"] <= waited  # at least the slowed prefill step
+    assert m["vllm:e2e_request_latency_seconds_count"] == before["vllm:e2e_request_latency_seconds_count"]
 
 
 # Catches: a non-streamed request whose client gave up running on to the end (200 clients that left
@@ -344,7 +354,7 @@ def test_bad_input_is_an_openai_error(server, path, body, status, words, param):
 def test_fields_that_change_nothing_are_accepted_and_unknown_ones_logged(server, caplog):
     body = dict(prompt="Hi", max_tokens=2, n=1, logprobs=None, echo=False, frequency_penalty=0, presence_penalty=0.0,
                 best_of=1, response_format={"type": "text"}, user="someone", temperature=None, frobnicate=3)
-    with caplog.at_level(logging.WARNING, logger="nanoserve.serve"):
+    with caplog.at_level(logging.WARNING, logger="nanoserve.entrypoints.openai.protocol"):
         reply = post(server, "/v1/completions", body)
     assert reply.status_code == 200, reply.text
     assert any("frobnicate" in r.getMessage() for r in caplog.records)
@@ -447,7 +457,7 @@ def test_metrics_count(server, client):
 # Catches: TTFT, queue time and latency counted from add_request, not from the HTTP request's arrival
 # (a request that waited 26.7 s reported a TTFT of 0.035 s).
 def test_times_count_from_the_http_request(server, monkeypatch):
-    engine = server.serving.engine_loop.engine
+    engine = server.serving.async_llm.engine
     add_request = engine.add_request
     monkeypatch.setattr(engine, "add_request", lambda *args, **kwargs: time.sleep(0.5) or add_request(*args, **kwargs))
     before = metrics(server)
@@ -473,7 +483,7 @@ def test_a_fresh_server_shows_its_free_blocks(model_path):
 # Catches: an error inside step() killing the engine loop, a 500 that says "invalid_request_error", a
 # stream cut without an error event or [DONE] ("Exception in ASGI application").
 def test_engine_error_is_a_500_then_serving_goes_on(server, monkeypatch):
-    engine = server.serving.engine_loop.engine
+    engine = server.serving.async_llm.engine
     step = engine.step
     monkeypatch.setattr(engine, "step", lambda: monkeypatch.setattr(engine, "step", step) or 1 / 0)  # fails once
     reply = post(server, "/v1/completions", dict(model=NAME, prompt="Hi", max_tokens=2))
@@ -498,7 +508,7 @@ def test_engine_error_is_a_500_then_serving_goes_on(server, monkeypatch):
 # Catches: an exception while adding a request (not a ValueError) killing the engine thread, so that
 # every later request hangs.
 def test_an_error_in_add_request_fails_that_request_only(server, monkeypatch):
-    engine = server.serving.engine_loop.engine
+    engine = server.serving.async_llm.engine
     add_request = engine.add_request
 
     def fail_once(*args, **kwargs):
@@ -515,7 +525,7 @@ def test_an_error_in_add_request_fails_that_request_only(server, monkeypatch):
 def test_a_dead_engine_loop_says_so(model_path):
     server = start_server(model_path)
     try:
-        engine = server.serving.engine_loop.engine
+        engine = server.serving.async_llm.engine
         engine.has_unfinished_requests = lambda: 1 / 0  # the loop's own code fails, outside any request
         reply = post(server, "/v1/completions", dict(prompt="Hi", max_tokens=2), timeout=10)
         assert reply.status_code == 503 and reply.json()["error"]["type"] == "server_error"
@@ -529,7 +539,7 @@ def test_a_dead_engine_loop_says_so(model_path):
 # requests that do not complete exactly, rejections not counted.
 def test_a_burst_past_max_num_queued_requests_gets_429_at_once(model_path, offline):
     server = start_server(model_path, limits=Limits(max_num_queued_requests=2))
-    engine = server.serving.engine_loop.engine
+    engine = server.serving.async_llm.engine
     step = engine.step
     engine.step = lambda: time.sleep(0.05) or step()  # an accepted request takes at least 0.5 s
     try:
@@ -600,19 +610,19 @@ def test_a_model_without_tokenizer_streams_token_ids(tiny_models):
 def test_bad_options_fail_at_once_in_one_line(argv, words, monkeypatch, capsys):
     # Catches: a mistake in the options found only after the model loaded (7-15 s), or told in a
     # traceback or the whole usage text instead of one line.
-    monkeypatch.setattr(nanoserve.serve, "LLMEngine", lambda config: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(api_server, "LLMEngine", lambda config: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit) as exit_:
-        nanoserve.serve.main([nanoserve.DEFAULT_MODEL, *argv])
+        api_server.main([nanoserve.DEFAULT_MODEL, *argv])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and "error:" in err and words in err, err
 
 
 def test_a_port_in_use_fails_before_the_model_loads(monkeypatch, capsys):
     # Catches: a port in use found only after loading the model (uvicorn exits after it).
-    monkeypatch.setattr(nanoserve.serve, "LLMEngine", lambda config: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(api_server, "LLMEngine", lambda config: pytest.fail("the model was loaded"))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         with pytest.raises(SystemExit):
-            nanoserve.serve.main([nanoserve.DEFAULT_MODEL, "--port", str(taken.getsockname()[1])])
+            api_server.main([nanoserve.DEFAULT_MODEL, "--port", str(taken.getsockname()[1])])
     assert capsys.readouterr().err.count("\n") == 1

@@ -1,4 +1,4 @@
-"""The server's logprobs, echo and n (nanoserve/serve.py) over HTTP on 127.0.0.1, read by the openai
+"""The server's logprobs, echo and n (nanoserve/entrypoints/openai/) over HTTP on 127.0.0.1, read by the openai
 client or as JSON: logprob values against transformers' log_softmax on the same weights (float32),
 token strings against the tokenizer's decode of each token alone (as vLLM writes them), choices
 against LLM.generate / LLM.chat offline, completion i of a prompt seeded seed + i."""
@@ -13,7 +13,8 @@ from transformers import LlamaForCausalLM
 
 from nanoserve import LLMEngine, SamplingParams
 from nanoserve.config import Config
-from nanoserve.serve import Limits, ServerThread, build_app
+from nanoserve.entrypoints.openai.api_server import ServerThread, build_app
+from nanoserve.entrypoints.openai.protocol import Limits
 
 
 @pytest.fixture(scope="module")

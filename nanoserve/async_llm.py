@@ -1,0 +1,321 @@
+"""The asyncio front end over one LLMEngine, as vLLM's AsyncLLM: usable from any event loop, no HTTP.
+
+    async with AsyncLLM(LLMEngine(config)) as llm:
+        async for output in llm.generate(prompt_token_ids, SamplingParams(max_tokens=8), "request-0"):
+            ...  # a RequestDelta per step that sampled a token for it, then its RequestOutput
+
+Threads and queues. The engine is not thread-safe (engine.py), so one thread owns it: `EngineLoop`.
+Every other thread talks to it through its `inbox`, a queue.Queue and the only way in:
+
+    callers' event loops                               the engine thread (EngineLoop)
+    --------------------                               ------------------------------
+    RequestStream.submit  -- Submit --+                +-> engine.add_request: Accepted | Failed
+    abort, stream.close   -- Abort  --+--> inbox ------+-> engine.abort_request: its RequestOutput
+    shutdown              -- Stop   --+                +-> return
+                                                           engine.step(): RequestDeltas, RequestOutputs
+    RequestStream <-- ReplyQueue (asyncio.Queue, written with call_soon_threadsafe) <--+
+
+Between two steps the loop takes every message in the inbox, then steps the engine and sends each
+request's results to the ReplyQueue it came with: `Accepted` or `Failed` first, then its
+RequestDeltas, then its RequestOutput. Idle, it blocks on the inbox. A stream closed before its
+requests finish (its reader left: a client disconnected, a task was cancelled) sends an Abort, so
+their KV blocks are free before the next step. A step that raises fails the requests it ran
+(EngineGenerateError) and the loop serves the next ones; if the loop itself dies, every request
+fails at once (EngineDeadError) instead of hanging, and `AsyncLLM.error` says why.
+
+A `StatLogger` (the server's Prometheus metrics) hears on the engine thread of each request added,
+step run and request finished, before the request's reader does. The HTTP server adds handlers
+and a tokenizer thread in front of this: see entrypoints/openai/api_server.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from nanoserve.engine import LLMEngine
+from nanoserve.outputs import RequestDelta, RequestOutput, StepResult
+from nanoserve.sampler import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineGenerateError(Exception):
+    """add_request or a step raised on the engine thread (a bug, a device failure): the requests
+    concerned fail, and the loop serves the next ones. (Bad input raises add_request's ValueError.)"""
+
+
+class EngineDeadError(Exception):
+    """The engine loop itself died: every request fails, now and later."""
+
+
+class StatLogger:
+    """What the engine thread tells a stat logger, as vLLM's stat loggers; this one records nothing.
+    Every method is called on the engine thread."""
+
+    def record_added(self, request_id: str, num_prompt_tokens: int, arrival_time: float) -> None:
+        """add_request took the request."""
+
+    def record_step(self, result: StepResult, start: float, end: float) -> None:
+        """A step ran from `start` to `end` (time.perf_counter()); called before its results are sent."""
+
+    def record_finished(self, output: RequestOutput) -> None:
+        """Once per request, an aborted one too, before its output is sent."""
+
+    def record_engine(self, stats: dict[str, int]) -> None:
+        """engine.stats() after every step, when the engine goes idle, and once before it starts."""
+
+
+# --- Messages between the threads ----------------------------------------------------------------
+
+class ReplyQueue:
+    """One RequestStream's replies: written from the engine thread, read on the reader's event loop."""
+
+    def __init__(self) -> None:
+        self.loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
+
+    def put(self, reply: Reply) -> None:  # from any thread
+        with contextlib.suppress(RuntimeError):  # the reader's event loop has closed: no one is left to read
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, reply)
+
+    async def get(self) -> Reply:
+        return await self.queue.get()
+
+
+@dataclass
+class Submit:
+    """Inbox message: add one engine request; its results go to `replies`."""
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float        # time.perf_counter() when it arrived (an HTTP request's arrival): TTFT counts from it
+    replies: ReplyQueue
+
+
+@dataclass
+class Abort:
+    """Inbox message: abort an engine request, if it has not finished."""
+    request_id: str
+
+
+class Stop:
+    """Inbox message: shut down; the engine loop returns."""
+
+
+@dataclass
+class Accepted:
+    """Reply: add_request took the request; its deltas follow."""
+    request_id: str
+
+
+@dataclass
+class Failed:
+    """Reply: the request failed: add_request's ValueError, an EngineGenerateError or an EngineDeadError."""
+    request_id: str
+    error: Exception
+
+
+Message = Submit | Abort | Stop
+Reply = Accepted | Failed | RequestDelta | RequestOutput
+
+
+# --- The engine thread ---------------------------------------------------------------------------
+
+class EngineLoop:
+    """The one thread that owns the engine. Its methods run on that thread, once `thread` started."""
+
+    def __init__(self, engine: LLMEngine, stat_logger: StatLogger) -> None:
+        self.engine, self.stat_logger = engine, stat_logger
+        self.inbox: queue.Queue[Message] = queue.Queue()
+        self.replies: dict[str, ReplyQueue] = {}  # unfinished engine requests -> where their results go
+        self.error: BaseException | None = None    # why the loop died, if it did
+        self.thread = threading.Thread(target=self.run, name="nanoserve-engine", daemon=True)
+
+    def run(self) -> None:
+        try:
+            self.serve()
+        except BaseException as error:  # a bug in this loop: say so everywhere, never hang
+            logger.exception("the engine loop died: every request fails")
+            self.error = error
+            self.fail_all(EngineDeadError(f"the engine loop died: {error!r}"))
+            self.refuse_until_stopped()
+
+    def serve(self) -> None:
+        while True:
+            for message in self.take_messages():
+                if isinstance(message, Stop):
+                    return
+                self.add(message) if isinstance(message, Submit) else self.abort(message.request_id)
+            if self.engine.has_unfinished_requests():
+                self.step()
+            else:  # an abort may have emptied the engine: show its blocks free now
+                self.stat_logger.record_engine(self.engine.stats())
+
+    def take_messages(self) -> list[Message]:
+        """Idle: wait for a message. Busy: take only those already there, and step on."""
+        messages = [] if self.engine.has_unfinished_requests() else [self.inbox.get()]
+        while not self.inbox.empty():
+            messages.append(self.inbox.get_nowait())
+        return messages
+
+    def add(self, submit: Submit) -> None:
+        request_id = submit.request_id
+        try:
+            self.engine.add_request(submit.token_ids, submit.params, request_id, arrival_time=submit.arrival_time)
+        except ValueError as error:  # bad input (InvalidRequest names the field): the caller's to report
+            submit.replies.put(Failed(request_id, error))
+            return
+        except Exception as error:  # a bug: this request fails, the loop and the others go on
+            logger.exception("add_request failed")
+            submit.replies.put(Failed(request_id, EngineGenerateError(f"the engine could not take the request: "
+                                                                      f"{error!r}")))
+            return
+        self.replies[request_id] = submit.replies
+        self.stat_logger.record_added(request_id, len(submit.token_ids), submit.arrival_time)
+        submit.replies.put(Accepted(request_id))
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.engine.requests:  # it may have finished meanwhile
+            output = self.engine.abort_request(request_id)
+            self.stat_logger.record_finished(output)
+            self.send(request_id, output)
+        self.replies.pop(request_id, None)  # the next step reports its output again: not sent twice
+
+    def step(self) -> None:
+        start = time.perf_counter()
+        try:
+            result = self.engine.step()
+        except Exception as error:  # a bug or a device failure: fail these requests, serve the next ones
+            logger.exception("a step failed")
+            self.fail_all(EngineGenerateError(f"the engine failed: {error!r}"))
+            for request_id in list(self.engine.requests):
+                self.abort(request_id)
+            return
+        self.stat_logger.record_step(result, start, time.perf_counter())
+        for delta in result.deltas:
+            self.send(delta.request_id, delta)
+        for output in result.outputs:
+            if output.finish_reason != "abort":  # an abort was recorded when this loop made it
+                self.stat_logger.record_finished(output)
+            self.send(output.request_id, output)
+            self.replies.pop(output.request_id, None)
+        self.stat_logger.record_engine(self.engine.stats())
+
+    def send(self, request_id: str, reply: Reply) -> None:
+        if request_id in self.replies:
+            self.replies[request_id].put(reply)
+
+    def fail_all(self, error: Exception) -> None:
+        for request_id, replies in self.replies.items():
+            replies.put(Failed(request_id, error))
+        self.replies.clear()
+
+    def refuse_until_stopped(self) -> None:
+        """After the loop died: refuse what still comes (a caller may have raced the death), until Stop."""
+        while not isinstance(message := self.inbox.get(), Stop):
+            if isinstance(message, Submit):
+                message.replies.put(Failed(message.request_id, EngineDeadError("the engine loop has died")))
+
+
+# --- The caller's side ---------------------------------------------------------------------------
+
+class RequestStream:
+    """Engine requests submitted together and read back together, each result as it comes (a
+    server's n choices of one HTTP request share one). Made on the event loop that reads it.
+    `close()`, however the reader ends, aborts the requests not finished."""
+
+    def __init__(self, inbox: queue.Queue[Message]) -> None:
+        self.inbox, self.replies = inbox, ReplyQueue()
+        self.unfinished: set[str] = set()
+        self.early: list[Reply] = []  # results that came in while submit awaited another's Accepted
+
+    async def submit(self, requests: list[tuple[str, list[int], SamplingParams]],
+                     arrival_time: float | None = None) -> None:
+        """Hand every (request_id, prompt_token_ids, params) to the engine thread, then wait until
+        add_request has taken them all; raises the first refusal. arrival_time: now if None."""
+        arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        for request_id, token_ids, params in requests:
+            self.unfinished.add(request_id)
+            self.inbox.put(Submit(request_id, token_ids, params, arrival_time, self.replies))
+        num_accepted = 0
+        while num_accepted < len(requests):
+            reply = await self.replies.get()
+            if isinstance(reply, Failed):
+                raise reply.error
+            if isinstance(reply, Accepted):
+                num_accepted += 1
+            else:
+                self.early.append(reply)
+
+    async def __aiter__(self) -> AsyncIterator[RequestDelta | RequestOutput]:
+        """Each request's deltas, then its output, until every request has its output."""
+        while self.unfinished:
+            reply = self.early.pop(0) if self.early else await self.replies.get()
+            if isinstance(reply, Failed):
+                raise reply.error
+            if isinstance(reply, RequestOutput):
+                self.unfinished.discard(reply.request_id)
+            yield reply
+
+    def close(self) -> None:
+        for request_id in self.unfinished:
+            self.inbox.put(Abort(request_id))
+        self.unfinished.clear()
+
+
+class AsyncLLM:
+    """generate() and abort() from asyncio, the engine stepping on its own thread between start()
+    and shutdown() (or inside `async with`). The engine is the loop's alone once started."""
+
+    def __init__(self, engine: LLMEngine, stat_logger: StatLogger | None = None) -> None:
+        self.engine = engine
+        self.engine_loop = EngineLoop(engine, stat_logger or StatLogger())
+        self.engine_loop.stat_logger.record_engine(engine.stats())  # before the thread: a fresh server's free blocks
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine loop died; None while it serves."""
+        return self.engine_loop.error
+
+    def start(self) -> None:
+        self.engine_loop.thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the engine loop after its current step (unfinished requests get no more results)."""
+        self.engine_loop.inbox.put(Stop())
+        self.engine_loop.thread.join()
+
+    async def __aenter__(self) -> AsyncLLM:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def stream(self) -> RequestStream:
+        """An empty stream to submit requests to and read them back from together (generate uses one per
+        request; the server one per HTTP request)."""
+        return RequestStream(self.engine_loop.inbox)
+
+    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestDelta | RequestOutput]:
+        """One request's RequestDeltas, then its RequestOutput (one completion: n must be 1). Bad input
+        raises add_request's ValueError. A reader that stops early aborts the request when this
+        generator is closed (at once inside contextlib.aclosing, else when it is garbage-collected)."""
+        stream = self.stream()
+        try:
+            await stream.submit([(request_id, prompt_token_ids, sampling_params)], arrival_time)
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request between two steps, from any thread; its stream ends with its RequestOutput
+        (finish_reason "abort")."""
+        self.engine_loop.inbox.put(Abort(request_id))

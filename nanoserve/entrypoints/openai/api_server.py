@@ -1,0 +1,313 @@
+"""The OpenAI-compatible HTTP server over one LLMEngine (FastAPI + uvicorn, as vLLM's api_server).
+
+    nanoserve serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] [options]
+    python -m nanoserve.serve MODEL [options]                 (the same)
+
+Three kinds of thread take part in a request:
+- uvicorn's event loop (one thread) runs the HTTP handlers (`create_completion` in
+  serving_completion.py, `create_chat_completion` in serving_chat.py, the small ones here). A
+  handler reads and checks the body (protocol.py), takes its slots of --max-num-queued-requests or
+  answers 429 at once, and hands the slow work to
+- the tokenizer thread (serving_engine.py), which renders the chat template and tokenizes, so that
+  neither the event loop (serving every other client) nor the engine thread (stepping every other
+  request) waits on a long input. With the token ids, the handler submits one engine request per
+  choice (n per prompt) to
+- the engine thread, run by the AsyncLLM (async_llm.py draws its queue and messages): it alone calls
+  the engine, and it sends each request's deltas and output back to the handler that submitted it.
+A client that leaves is noticed on the event loop (streaming.py), which aborts its engine requests:
+their KV blocks are free before the next step. If something fails on the engine thread, the requests
+it concerns fail (500) and the loop goes on; if the loop itself dies, /health says 503 and every
+request fails at once (503) instead of hanging.
+
+`build_app` makes the app: the routes, the error handlers, the API key, and a `Serving`
+(serving_engine.py) as its state, whose AsyncLLM runs while the app does (`lifespan`). For tests and
+notebooks, `ServerThread(app).start()` serves it on a free port.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from importlib.metadata import PackageNotFoundError, version
+
+import h11
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from nanoserve import LLMEngine
+from nanoserve.entrypoints.openai.protocol import (
+    APIError,
+    DetokenizeBody,
+    Limits,
+    TokenizeBody,
+    given,
+    parse,
+    read_json,
+    template_messages,
+)
+from nanoserve.entrypoints.openai.serving_chat import create_chat_completion
+from nanoserve.entrypoints.openai.serving_completion import create_completion
+from nanoserve.entrypoints.openai.serving_engine import Serving
+from nanoserve.entrypoints.utils import OneLineParser, add_engine_arguments, engine_config, positive
+
+HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's head (line and headers)
+
+
+# --- Routes --------------------------------------------------------------------------------------
+
+async def tokenize_text(request: Request) -> Response:
+    """vLLM's /tokenize: {count, max_model_len, tokens, token_strs if return_token_strs}."""
+    serving: Serving = request.app.state.serving
+    body = parse(TokenizeBody, await read_json(request, serving.limits.max_body_bytes))
+    serving.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError("give either prompt or messages", param="prompt")
+    if body.messages is not None:
+        serving.check_chat_template()
+        messages = template_messages(body.messages)
+
+        def prepare() -> list[int]:
+            text = serving.render_chat(messages, body.add_generation_prompt)
+            return serving.tokenize(text, "messages", given(body.add_special_tokens, False), bounded=False)
+    else:
+        def prepare() -> list[int]:
+            return serving.tokenize(body.prompt, "prompt", given(body.add_special_tokens, True), bounded=False)
+    token_ids = await serving.in_tokenizer_thread(prepare)
+    reply = dict(count=len(token_ids), max_model_len=serving.max_model_len, tokens=token_ids)
+    if body.return_token_strs:
+        reply["token_strs"] = serving.tokenizer.convert_ids_to_tokens(token_ids)
+    return JSONResponse(reply)
+
+
+async def detokenize_tokens(request: Request) -> Response:
+    """vLLM's /detokenize: {"prompt": the tokens' text}."""
+    serving: Serving = request.app.state.serving
+    body = parse(DetokenizeBody, await read_json(request, serving.limits.max_body_bytes))
+    serving.check_model(body.model)
+    tokenizer = serving.tokenizer
+    if tokenizer is None:
+        raise APIError(f"model {serving.model_name!r} has no tokenizer", param="tokens")
+    bad = [t for t in body.tokens if not 0 <= t < len(tokenizer)]
+    if bad:
+        raise APIError(f"tokens {bad[:5]} are outside [0, {len(tokenizer)})", param="tokens")
+    return JSONResponse({"prompt": await serving.in_tokenizer_thread(lambda: tokenizer.decode(body.tokens))})
+
+
+async def list_models(request: Request) -> Response:
+    serving: Serving = request.app.state.serving
+    card = dict(id=serving.model_name, object="model", created=0, owned_by="nanoserve", root=serving.model_path,
+                parent=None, max_model_len=serving.max_model_len, permission=[])
+    return JSONResponse(dict(object="list", data=[card]))
+
+
+async def check_health(request: Request) -> Response:
+    serving: Serving = request.app.state.serving
+    return Response(status_code=503 if serving.async_llm.error is not None or serving.workers_stopped() else 200)
+
+
+async def show_metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.serving.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def show_version(request: Request) -> Response:
+    try:
+        return JSONResponse({"version": version("nanoserve")})
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return JSONResponse({"version": "unknown"})
+
+
+ROUTES = [
+    ("/v1/completions", create_completion, ["POST"]),
+    ("/v1/chat/completions", create_chat_completion, ["POST"]),
+    ("/v1/models", list_models, ["GET"]),
+    ("/tokenize", tokenize_text, ["POST"]),
+    ("/detokenize", detokenize_tokens, ["POST"]),
+    ("/health", check_health, ["GET", "HEAD"]),
+    ("/metrics", show_metrics, ["GET"]),
+    ("/version", show_version, ["GET"]),
+]
+
+
+async def api_error(request: Request, error: APIError) -> Response:
+    return error.response()
+
+
+async def http_error(request: Request, error: HTTPException) -> Response:  # no such route or method
+    return APIError(str(error.detail), status=error.status_code).response()
+
+
+async def server_error(request: Request, error: Exception) -> Response:  # a bug: still OpenAI's error body
+    return APIError(f"internal error: {error!r}", status=500).response()
+
+
+class RequireAPIKey:
+    """ASGI middleware: every route but /health needs `Authorization: Bearer <key>` (the scheme in
+    any case; the key compared whole, in constant time), else 401."""
+
+    def __init__(self, app: Callable, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health" and not self.authorized(scope["headers"]):
+            error = APIError("missing or wrong API key (Authorization: Bearer ...)", status=401, code="invalid_api_key")
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        scheme, _, key = dict(headers).get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.key)
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """The AsyncLLM's engine thread runs while the app does."""
+    serving: Serving = app.state.serving
+    serving.async_llm.start()
+    yield
+    serving.async_llm.shutdown()
+    serving.tokenizer_thread.shutdown()
+
+
+def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
+              limits: Limits = Limits()) -> FastAPI:
+    """The HTTP app; its AsyncLLM's engine thread starts and stops with it."""
+    app = FastAPI(title="nanoserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = Serving(engine, served_model_name, limits)
+    for path, endpoint, methods in ROUTES:
+        app.add_api_route(path, endpoint, methods=methods)
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, server_error)
+    if api_key is not None:
+        app.add_middleware(RequireAPIKey, api_key=api_key)
+    return app
+
+
+# --- Running it ----------------------------------------------------------------------------------
+
+class HTTPProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's head (request line and headers): a
+    client that connects and sends its head slowly, or never, is cut off after `header_timeout`
+    seconds instead of holding a connection for good."""
+
+    def __init__(self, *args: object, header_timeout: float, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout, self.head_timer = header_timeout, None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self.start_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self.start_head_timer()  # for the next request on this kept-alive connection
+
+    def start_head_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+        self.head_timer = self.loop.call_later(self.header_timeout, self.close_without_head)
+
+    def close_without_head(self) -> None:
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # no whole head came
+            self.transport.close()
+
+
+def uvicorn_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, header_timeout: float = HEADER_TIMEOUT,
+                   log_level: str = "warning") -> uvicorn.Server:
+    http = functools.partial(HTTPProtocol, header_timeout=header_timeout)
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, http=http, log_level=log_level))
+
+
+class ServerThread:
+    """Run an app under uvicorn in a background thread (tests, notebooks); `port=0` picks a free one."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 header_timeout: float = HEADER_TIMEOUT) -> None:
+        self.server = uvicorn_server(app, host, port, header_timeout)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server failed to start")
+            time.sleep(0.01)
+        return self
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    @property
+    def serving(self) -> Serving:
+        return self.server.config.app.state.serving
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+
+
+def build_parser(prog: str) -> OneLineParser:
+    parser = OneLineParser(prog=prog, description="nanoserve's OpenAI-compatible server")
+    parser.add_argument("model")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--served-model-name", default=None, help="default: the model path")
+    parser.add_argument("--max-num-queued-requests", type=positive(int), default=None,
+                        help="completions (prompts x n) in flight at once, counted from arrival to answer: "
+                             "tokenizing, waiting and running in the engine, not only queued; more get 429")
+    parser.add_argument("--max-request-body-bytes", type=positive(int), default=Limits.max_body_bytes)
+    parser.add_argument("--header-timeout", type=positive(float), default=HEADER_TIMEOUT,
+                        help="seconds a connection may take to send a request's head")
+    add_engine_arguments(parser)
+    return parser
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now: a port in use fails before the model loads."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.serve") -> None:
+    """Serve MODEL until Ctrl-C; `nanoserve serve` calls it with prog="nanoserve serve"."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    try:  # everything that can be checked before the model loads, so that a mistake costs no wait
+        config = engine_config(args)
+        sock = bind(args.host, args.port)
+        engine = LLMEngine(config)
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
+    limits = Limits(max_body_bytes=args.max_request_body_bytes, max_num_queued_requests=args.max_num_queued_requests)
+    name = args.served_model_name or args.model
+    server = uvicorn_server(build_app(engine, name, args.api_key, limits), args.host, args.port, args.header_timeout,
+                            log_level="info")
+    host, port = sock.getsockname()[:2]  # uvicorn does not say where a socket it was given listens (--port 0)
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    logging.getLogger("uvicorn.error").info("serving %r at %s", name, url)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+        pass
+    finally:
+        engine.close()  # stops tensor-parallel workers
+
+
+if __name__ == "__main__":
+    main()

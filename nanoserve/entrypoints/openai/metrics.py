@@ -1,0 +1,93 @@
+"""Prometheus metrics named after vLLM's, each with a model_name label, in the app's own registry.
+
+`Metrics` is the server's stat logger: AsyncLLM's engine thread tells it of each request added, step
+run and request finished (async_llm.StatLogger) before the request's handler hears of them, and
+/metrics shows the registry. Times count from a request's arrival, the HTTP request's (its wait for
+the tokenizer and the engine thread is in them). As vLLM:
+- time to first token is observed at the request's first token, so a running request's shows while it
+  runs, and an aborted stream that got a token counts;
+- e2e latency only for requests that ran to the end: an aborted one's says when its client left;
+- queue time runs until the request is first scheduled.
+"""
+from __future__ import annotations
+
+import functools
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from nanoserve.async_llm import StatLogger
+from nanoserve.outputs import RequestOutput, StepResult
+
+
+class Metrics(StatLogger):
+    """The metrics, and what the engine thread tracks per unfinished request to observe them."""
+
+    def __init__(self, model_name: str, num_usable_blocks: int) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name, self.num_usable_blocks = model_name, num_usable_blocks
+        gauge, counter, histogram = (functools.partial(self.labelled, kind) for kind in (Gauge, Counter, Histogram))
+        seconds = functools.partial(histogram, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60))
+        self.running = gauge("vllm:num_requests_running", "Requests running")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting in the engine")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Share of the usable KV-cache blocks in use, 0-1")
+        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc's old name")
+        self.free_blocks = gauge("nanoserve:num_free_blocks", "Free KV-cache blocks")
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of accepted requests")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.rejected = counter("nanoserve:requests_rejected", "Requests refused with 429: too many in flight")
+        self.ttft = seconds("vllm:time_to_first_token_seconds", "From arrival to the first token")
+        self.itl = seconds("vllm:time_per_output_token_seconds", "Between two tokens of a request")
+        self.e2e_latency = seconds("vllm:e2e_request_latency_seconds", "From arrival to finish")
+        self.queue_time = seconds("vllm:request_queue_time_seconds", "From arrival to first scheduled")
+        self.success = Counter("vllm:request_success", "Finished requests, by finish reason",
+                               ["model_name", "finished_reason"], registry=self.registry)
+        # Per unfinished request, on the engine thread only:
+        self.unscheduled: dict[str, tuple[float, int]] = {}  # (arrival time, prompt tokens) until first scheduled
+        self.no_token_yet: dict[str, float] = {}              # arrival time until the first token
+        self.last_token_time: dict[str, float] = {}
+        self.seen = dict(num_preemptions=0, num_cached_tokens=0)  # engine.stats() counters when last read
+
+    def labelled(self, kind: type, name: str, doc: str, **kwargs: object):  # -> the model_name child
+        return kind(name, doc, ["model_name"], registry=self.registry, **kwargs).labels(self.model_name)
+
+    def record_added(self, request_id: str, num_prompt_tokens: int, arrival_time: float) -> None:
+        self.unscheduled[request_id] = (arrival_time, num_prompt_tokens)
+        self.no_token_yet[request_id] = arrival_time
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def record_step(self, result: StepResult, start: float, end: float) -> None:
+        for request_id, _ in result.scheduled:
+            if request_id in self.unscheduled:
+                arrival_time, num_prompt_tokens = self.unscheduled.pop(request_id)
+                self.queue_time.observe(start - arrival_time)
+                self.prefix_cache_queries.inc(num_prompt_tokens)
+        for delta in result.deltas:  # a delta carries the token its request sampled in this step
+            request_id = delta.request_id
+            self.generation_tokens.inc(len(delta.token_ids))
+            if request_id in self.no_token_yet:
+                self.ttft.observe(end - self.no_token_yet.pop(request_id))
+            if request_id in self.last_token_time:
+                self.itl.observe(end - self.last_token_time[request_id])
+            self.last_token_time[request_id] = end
+
+    def record_finished(self, output: RequestOutput) -> None:
+        self.success.labels(self.model_name, output.finish_reason).inc()
+        if output.finish_reason != "abort":  # an aborted request's latency says when its client left
+            self.e2e_latency.observe(output.latency)
+        for table in (self.unscheduled, self.no_token_yet, self.last_token_time):
+            table.pop(output.request_id, None)
+
+    def record_engine(self, stats: dict[str, int]) -> None:
+        usage = 1 - stats["num_free_blocks"] / self.num_usable_blocks
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        self.free_blocks.set(stats["num_free_blocks"])
+        self.kv_cache_usage.set(usage)
+        self.gpu_cache_usage.set(usage)
+        # The engine counts since it started; the counters add what is new since the last look.
+        self.preemptions.inc(stats["num_preemptions"] - self.seen["num_preemptions"])
+        self.prefix_cache_hits.inc(stats["num_cached_tokens"] - self.seen["num_cached_tokens"])
+        self.seen = {name: stats[name] for name in self.seen}

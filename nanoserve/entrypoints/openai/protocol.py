@@ -1,0 +1,222 @@
+"""The OpenAI-compatible API's side of a request before it reaches the engine: the request bodies,
+how they are read and checked, the errors they get, and the server's limits.
+
+Bodies are strict, as OpenAI's API: "5" is not an int and true is not a number. A field left out or
+null takes the default. Unknown fields are ignored (and logged); UNSUPPORTED ones are refused unless
+they hold the value that means "not used". Every error is an `APIError`: an HTTP status and OpenAI's
+error body, naming the field at fault.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from nanoserve.async_llm import EngineDeadError, EngineGenerateError
+from nanoserve.sampler import MAX_LOGPROBS
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server (README: "Limits"); past them, a 4xx at once."""
+    max_body_bytes: int = 8 * 2**20                # 413 past this; the body is read no further
+    max_stop: int = 32                             # stop strings, and stop_token_ids, per request
+    max_stop_chars: int = 1024                     # characters in one stop string
+    # Completions (prompts x n) in flight: tokenizing, waiting or running in the engine, not only queued; more: 429.
+    max_num_queued_requests: int | None = None
+    max_n: int = 128                               # completions of one prompt (n): OpenAI's limit
+
+
+# --- Errors -------------------------------------------------------------------------------------
+
+class APIError(Exception):
+    """A request's failure: an HTTP status and OpenAI's error body, naming the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+    @property
+    def body(self) -> dict:
+        kind = "server_error" if self.status >= 500 else "rate_limit_error" if self.status == 429 \
+            else "invalid_request_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> Response:  # ASCII JSON: a lone surrogate in a message is escaped, not an error
+        return Response(json.dumps(self.body), status_code=self.status, media_type="application/json")
+
+
+def shorten(text: str, limit: int = 100) -> str:
+    """text cut to `limit` characters: what a client sent is never echoed back whole."""
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def engine_error(error: Exception) -> APIError:
+    """An AsyncLLM failure as the client sees it: bad input (add_request's ValueError) a 400 naming the
+    field, a failed step or add_request a 500, a dead engine loop a 503."""
+    if isinstance(error, EngineDeadError):
+        return APIError(str(error), status=503)
+    if isinstance(error, EngineGenerateError):
+        return APIError(str(error), status=500)
+    return APIError(str(error), param=getattr(error, "param", None))
+
+
+ENGINE_ERRORS = (ValueError, EngineGenerateError, EngineDeadError)  # what AsyncLLM raises for a request
+
+
+# --- Request bodies ------------------------------------------------------------------------------
+# Strict (see above): a field left out or null takes the default.
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(Strict):
+    include_usage: bool | None = True  # as vLLM: stream_options without include_usage includes it
+
+
+class SamplingBody(Strict):
+    """The fields /v1/completions and /v1/chat/completions share."""
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extra parameters: stop_token_ids, top_k, ignore_eos
+    seed: int | None = None
+    ignore_eos: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, unused
+    n: int | None = None     # completions of each prompt
+
+
+class CompletionBody(SamplingBody):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = None           # the prompt before the completion (its logprobs too, with logprobs)
+    logprobs: int | None = None        # each token's logprob, with the N most likely
+    prompt_logprobs: int | None = None  # vLLM's extra: each prompt token's, in the choice's prompt_logprobs
+
+
+class ContentPart(Strict):
+    type: str
+    text: str | None = None
+
+
+class Message(Strict):
+    role: str
+    content: str | list[ContentPart]
+
+
+class ChatBody(SamplingBody):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None       # each token's logprob
+    top_logprobs: int | None = None    # and the N most likely (with logprobs true)
+
+
+class TokenizeBody(Strict):
+    """vLLM's /tokenize: a prompt, or messages rendered by the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template writes them)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+BODIES = (CompletionBody, ChatBody, Message, ContentPart, StreamOptions, TokenizeBody, DetokenizeBody)
+FIELDS = {name for body in BODIES for name in body.model_fields}
+# Fields this server does not support -> the values that mean "not used", which it accepts. A body that
+# declares one of them (CompletionBody.echo) supports it.
+UNSUPPORTED = {
+    "n": (1, None), "best_of": (1, None), "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False, None),
+    "prompt_logprobs": (None,), "suffix": (None, ""), "logit_bias": (None, {}), "min_tokens": (0, None),
+    "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
+    "min_p": (0, 0.0, None), "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "use_beam_search": (False, None), "include_stop_str_in_output": (False, None),
+}
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The body as a JSON object; 413 past `limit` bytes (read no further), 400 if it is no JSON object."""
+    too_large = APIError(f"the request body is larger than {limit} bytes, this server's limit", status=413)
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, an int of 5,000 digits; nested too deep
+        raise APIError(f"the request body is not valid JSON: {shorten(str(error), 200)}") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    return body
+
+
+def parse(model: type[BodyT], body: dict) -> BodyT:
+    """The body as `model`; a field it may not use is a 400 naming it, an unknown one is logged."""
+    for name, unused in UNSUPPORTED.items():
+        value = body.get(name)
+        if name in model.model_fields or name not in body:
+            continue
+        if not any(type(value) is type(u) and value == u for u in unused):  # 0 is no False here
+            raise APIError(f"{name}={shorten(repr(value))} is not supported by this server", param=name,
+                           code="unsupported_parameter")
+    unknown = sorted(body.keys() - model.model_fields.keys() - UNSUPPORTED.keys())
+    if unknown:
+        logger.warning("ignored unknown fields: %s", shorten(repr(unknown), 300))
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        problems = [(".".join(str(part) for part in e["loc"] if isinstance(part, int) or part in FIELDS), e["msg"])
+                    for e in error.errors(include_url=False)]  # the loc without pydantic's union tags
+        message = "; ".join(f"{path}: {msg}" for path, msg in list(dict.fromkeys(problems))[:4])
+        raise APIError(message, param=problems[0][0].split(".")[0] or None) from None
+
+
+def given(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def check_logprobs(field: str, value: int | None) -> None:
+    """A number of most likely tokens (logprobs, top_logprobs, prompt_logprobs): None, or 0 to MAX_LOGPROBS."""
+    if value is not None and value > MAX_LOGPROBS:  # vLLM's words
+        raise APIError(f"Requested {field} of {value}, which is greater than max allowed: {MAX_LOGPROBS}", param=field)
+    if value is not None and value < 0:
+        raise APIError(f"{field} must be from 0 to {MAX_LOGPROBS}; got {value}", param=field)
+
+
+def template_messages(messages: list[Message]) -> list[dict[str, str]]:
+    """Messages as chat templates take them; content given as a list of text parts is joined by
+    newlines (as vLLM does)."""
+    result = []
+    for i, m in enumerate(messages):
+        parts = [ContentPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        if any(p.type != "text" or p.text is None for p in parts):
+            raise APIError(f"messages.{i}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
+                           param="messages")
+        result.append({"role": m.role, "content": "\n".join(p.text for p in parts)})
+    return result
+

@@ -1,0 +1,260 @@
+"""What /v1/completions and /v1/chat/completions share: the served model, its tokenizer thread, the
+slots of --max-num-queued-requests, prompts fitted to the context, and how results become choices.
+
+`Serving` is the app's state (app.state.serving): the AsyncLLM (async_llm.py) whose engine thread
+alone calls the engine, the tokenizer thread that tokenizes and renders chat templates (so that
+neither the event loop nor the engine thread waits on a long input), and the metrics. Handlers never
+call the engine; they use its tokenizer (from the tokenizer thread) and its constants.
+
+An HTTP request's choices are n completions of each prompt: choice p * n + i is completion i of
+prompt p (as vLLM), each its own engine request; a `Generation` (streaming.py) submits them
+together and reads them back together. Once the prompts are tokenized, the handler makes its API's
+`Formatter` (serving_completion.py, serving_chat.py), which turns each result (a RequestOutput for a
+whole response, a RequestDelta for a stream) into what its choice shows (`Shown`), then into the
+API's JSON.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+from nanoserve import LLMEngine, RequestDelta, RequestOutput, SamplingParams
+from nanoserve.async_llm import AsyncLLM
+from nanoserve.entrypoints.openai.metrics import Metrics
+from nanoserve.entrypoints.openai.protocol import APIError, Limits, SamplingBody, given, shorten
+from nanoserve.sampler import InvalidRequest, Logprob
+
+T = TypeVar("T")
+
+
+@dataclass
+class Prompt:
+    """A prompt as the engine takes it, and as echo shows it: a string as given, token ids decoded (as
+    vLLM); None without a tokenizer."""
+    token_ids: list[int]
+    text: str | None = None
+
+
+Position = dict[int, Logprob] | None  # a token's logprobs: the token's own first, then the most likely
+                                      # (None: a prompt's first token, which nothing predicts)
+
+
+@dataclass
+class Shown:
+    """What one choice shows of a result: its text, its tokens and their logprobs (None: not asked for)."""
+    text: str | None
+    token_ids: list[int]
+    logprobs: list[Position] | None
+    finish_reason: str | None
+    prompt_logprobs: list[Position] | None = None  # vLLM's extra field, in whole responses
+
+    def named_tokens(self) -> set[int]:
+        """The tokens whose strings the logprobs show."""
+        positions = [p for p in (self.logprobs or []) + (self.prompt_logprobs or []) if p is not None]
+        return set(self.token_ids if self.logprobs is not None else []).union(*positions)
+
+
+class TokenStrings:
+    """Each token's text alone, as logprobs name tokens: tokenizer.decode([id]), as vLLM ("<s>", " sky",
+    "\ufffd" for one byte of a longer character); "token_id:N" without a tokenizer (vLLM's
+    return_tokens_as_token_ids). A token is decoded once, in the tokenizer thread (`learn`), then
+    looked up on the event loop: at most the vocabulary is kept."""
+
+    def __init__(self, tokenizer: object | None, tokenizer_thread: ThreadPoolExecutor) -> None:
+        self.tokenizer, self.tokenizer_thread = tokenizer, tokenizer_thread
+        self.known: dict[int, str] = {}  # written and read on the event loop only
+
+    async def learn(self, token_ids: set[int]) -> None:
+        unknown = [t for t in token_ids if t not in self.known] if self.tokenizer is not None else []
+        if unknown:
+            def decode() -> list[str]:
+                return [self.tokenizer.decode([t]) for t in unknown]
+            strings = await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, decode)
+            self.known.update(zip(unknown, strings))
+
+    def __getitem__(self, token_id: int) -> str:
+        return self.known[token_id] if self.tokenizer is not None else f"token_id:{token_id}"
+
+
+def clamp(logprob: float) -> float:
+    """A logprob as JSON can hold it: -inf (a token ruled out) as OpenAI and vLLM write it."""
+    return max(logprob, -9999.0)
+
+
+def text_or_token_ids(text: str | None, token_ids: list[int]) -> dict:
+    """A model without a tokenizer answers token ids, with an empty text."""
+    return {"text": text} if text is not None else {"text": "", "token_ids": token_ids}
+
+
+class Formatter:
+    """One API's response and chunk choices, made per request once its prompts are tokenized; it holds
+    the request's prompts, its n, and the token strings. Each API (CompletionAPI, ChatAPI) sets the
+    names below and defines max_tokens, logprobs, show, choice and chunk_choice."""
+    id_prefix: str      # the response's id: f"{id_prefix}-{generation id}"
+    object: str         # a whole response's "object"
+    chunk_object: str   # a stream chunk's "object"
+    prompt_field: str   # the body's field that holds the prompt, named by a context-length error
+    echo_only = False   # completions' echo with max_tokens 0: the prompt alone
+
+    def __init__(self, body: SamplingBody, prompts: list[Prompt], n: int, strings: TokenStrings) -> None:
+        self.prompts, self.n, self.strings = prompts, n, strings
+
+    @staticmethod
+    def max_tokens(body: SamplingBody) -> int | None:
+        """The body's max_tokens; None: up to the end of the context (`Serving.fit_to_context`)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def logprobs(body: SamplingBody) -> tuple[int | None, int | None]:
+        """The engine's logprobs and prompt_logprobs for this body, checked (a 400 names the field)."""
+        raise NotImplementedError
+
+    def show(self, index: int, result: RequestOutput | RequestDelta) -> Shown:
+        """What choice `index` shows of a whole output or of a streamed delta."""
+        raise NotImplementedError
+
+    def choice(self, index: int, shown: Shown) -> dict:
+        """A whole response's choice."""
+        raise NotImplementedError
+
+    def chunk_choice(self, index: int, shown: Shown) -> dict:
+        """A stream chunk's choice."""
+        raise NotImplementedError
+
+    def usage(self, outputs: list[RequestOutput]) -> dict:
+        """Each prompt's tokens once, whatever n (as vLLM), and the completions' tokens shown."""
+        num_prompt = sum(len(p.token_ids) for p in self.prompts)
+        num_completion = 0 if self.echo_only else sum(len(o.token_ids) for o in outputs)
+        total = num_prompt + num_completion
+        return dict(prompt_tokens=num_prompt, completion_tokens=num_completion, total_tokens=total)
+
+    def first_chunk_choice(self, index: int) -> dict | None:
+        """What a stream sends for each choice before any token (chat: the assistant's role); None: nothing."""
+        return None
+
+
+API = type[Formatter]
+
+
+def sampling_params(body: SamplingBody, api: API, max_tokens: int | None, limits: Limits) -> SamplingParams:
+    """The body's SamplingParams, checked by SamplingParams itself (a 400 names the field). max_tokens
+    None (chat: up to the end of the context) is settled once the prompt is tokenized (`fit_to_context`)."""
+    n = given(body.n, 1)
+    if not 1 <= n <= limits.max_n:  # SamplingParams takes any n >= 1: this server bounds one request's work
+        raise APIError(f"n must be from 1 to {limits.max_n}, this server's limit; got {n}", param="n")
+    logprobs, prompt_logprobs = api.logprobs(body)
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    for name, values in ("stop", stop), ("stop_token_ids", body.stop_token_ids or []):
+        if len(values) > limits.max_stop:
+            raise APIError(f"{name} has {len(values)} entries; this server takes at most {limits.max_stop}", param=name)
+    if any(len(s) > limits.max_stop_chars for s in stop):
+        raise APIError(f"a stop string is longer than {limits.max_stop_chars} characters, this server's limit",
+                       param="stop")
+    try:
+        return SamplingParams(temperature=given(body.temperature, 1.0), top_p=given(body.top_p, 1.0),
+                              top_k=given(body.top_k, 0), max_tokens=given(max_tokens, 1), stop=stop or None,
+                              stop_token_ids=body.stop_token_ids or None, seed=body.seed,
+                              ignore_eos=bool(body.ignore_eos), n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    except InvalidRequest as error:
+        raise APIError(str(error), param=error.param) from None
+
+
+class Serving:
+    """The served model's name and limits, the AsyncLLM, the tokenizer thread and the metrics.
+    Handlers never call the engine; they use its tokenizer (from the tokenizer thread) and constants."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, limits: Limits) -> None:
+        self.model_name, self.limits = model_name, limits
+        self.model_path, self.max_model_len = engine.config.model, engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.metrics = Metrics(model_name, num_usable_blocks=engine.model_runner.num_blocks - 1)  # block 0: unused
+        self.async_llm = AsyncLLM(engine, self.metrics)
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer")
+        self.token_strings = TokenStrings(self.tokenizer, self.tokenizer_thread)
+        self.vocab_size = engine.vocab_size
+        self.num_in_flight = 0  # choices of accepted HTTP requests not yet answered (event loop only)
+        # A token covers at most this many bytes of text: a text longer than max_model_len of them
+        # cannot fit, and is refused untokenized. (A token's vocabulary entry has at least the bytes of
+        # the text it covers, at most half more after Unicode normalization: x2 for safety.)
+        longest = max((len(t.encode()) for t in self.tokenizer.get_vocab()), default=1) if self.tokenizer else 1
+        self.max_prompt_bytes = 2 * longest * self.max_model_len
+        if self.tokenizer is not None:  # the first encode may reset truncation/padding settings: not while the
+            self.tokenizer.encode("")   # engine thread decodes with the same tokenizer ("Already borrowed")
+
+    def workers_stopped(self) -> bool:
+        """Tensor parallelism's workers stopped (after a failed step): no more steps, for good."""
+        return not self.async_llm.engine.model_runner.healthy
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(f"model {shorten(repr(name))} does not exist; this server serves {self.model_name!r}",
+                           param="model", status=404, code="model_not_found")
+
+    def admit(self, num_choices: int) -> None:
+        """Take a slot of max_num_queued_requests per choice (prompts x n) or refuse at once (429),
+        before any tokenizing: a burst costs no more than reading its bodies."""
+        if self.async_llm.error is not None:
+            raise APIError("the engine loop has died; the server cannot serve", status=503)
+        limit = self.limits.max_num_queued_requests
+        if limit is not None and num_choices > limit:
+            raise APIError(f"{num_choices} completions (prompts x n), more than this server takes at once ({limit})",
+                           param="prompt")
+        if limit is not None and self.num_in_flight + num_choices > limit:
+            self.metrics.rejected.inc()
+            raise APIError(f"the server is busy: {self.num_in_flight} completions in flight, at most {limit} "
+                           f"(--max-num-queued-requests); retry later", status=429, code="too_many_requests")
+        self.num_in_flight += num_choices
+
+    async def in_tokenizer_thread(self, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, work)
+
+    def tokenize(self, text: str, field: str, add_special_tokens: bool = True, bounded: bool = True) -> list[int]:
+        """In the tokenizer thread. `bounded`: a text too long for the context by its bytes alone is refused."""
+        if self.tokenizer is None:
+            raise APIError(f"{field} is text, but the model has no tokenizer: send token ids", param=field)
+        try:
+            num_bytes = len(text.encode())
+        except UnicodeEncodeError as error:  # a lone surrogate such as "\ud800" (half an emoji)
+            raise APIError(f"{field} is not valid Unicode text: {error}", param=field) from None
+        if bounded and num_bytes > self.max_prompt_bytes:
+            raise APIError(f"{field} has {num_bytes} bytes of text, more than max_model_len={self.max_model_len} "
+                           f"tokens can hold ({self.max_prompt_bytes} bytes)", param=field,
+                           code="context_length_exceeded")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int]) -> str | None:
+        """In the tokenizer thread: a token-id prompt as echo shows it (special tokens and all, as vLLM);
+        None without a tokenizer, "" for ids outside the vocabulary (add_request refuses them)."""
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(token_ids) if all(0 <= t < self.vocab_size for t in token_ids) else ""
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """In the tokenizer thread: the conversation as the model's chat template writes it."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
+        except Exception as error:  # the template's own checks (a role it does not know, ...)
+            raise APIError(f"messages: the chat template failed: {error}", param="messages") from None
+
+    def check_chat_template(self) -> None:
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise APIError(f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
+
+    def fit_to_context(self, params: SamplingParams, max_tokens: int | None, num_prompt_tokens: int,
+                       field: str) -> SamplingParams:
+        """params with max_tokens settled (None: up to the end of the context); a 400 if the prompt
+        and max_tokens do not fit in max_model_len (vLLM's "context length exceeded")."""
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise APIError(f"context length exceeded: the {field} has {num_prompt_tokens} tokens, which leaves no "
+                           f"room for a completion in max_model_len={self.max_model_len}", param=field,
+                           code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(f"context length exceeded: {num_prompt_tokens} tokens in the {field} + max_tokens="
+                           f"{max_tokens} > max_model_len={self.max_model_len}; lower max_tokens or shorten the "
+                           f"{field}", param="max_tokens", code="context_length_exceeded")
+        return replace(params, max_tokens=given(max_tokens, room))

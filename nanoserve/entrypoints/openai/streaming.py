@@ -1,0 +1,174 @@
+"""A completions or chat request from its checked body to its response, whole or streamed, and what
+happens when its client leaves.
+
+`generate_response` takes the request's slots (a `Generation`, or 429 at once), tokenizes its
+prompts in the tokenizer thread, submits its choices to the AsyncLLM and answers: one JSON response
+(`whole_response`), or server-sent events (`EventStream`, one chunk per delta). A client that leaves
+is noticed on the event loop, streaming or not (`EventStream`, `until_disconnected`), and closes the
+generation: its engine requests are aborted, and their KV blocks are free before the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from nanoserve import RequestDelta, RequestOutput, SamplingParams
+from nanoserve.entrypoints.openai.protocol import ENGINE_ERRORS, APIError, SamplingBody, engine_error
+from nanoserve.entrypoints.openai.serving_engine import API, Formatter, Prompt, Serving, sampling_params
+
+logger = logging.getLogger(__name__)
+
+
+class Generation:
+    """The engine requests of one HTTP request (n per prompt, one per choice), submitted and read back
+    together through one RequestStream. It holds its choices' slots of --max-num-queued-requests from
+    creation to `close()`, which its handler calls however the request ends; close() aborts the engine
+    requests not finished."""
+
+    def __init__(self, serving: Serving, num_choices: int) -> None:
+        serving.admit(num_choices)
+        self.serving, self.num_choices, self.closed = serving, num_choices, False
+        self.id = uuid.uuid4().hex
+        self.stream = serving.async_llm.stream()
+        self.index: dict[str, int] = {}  # engine request id -> its choice's index
+
+    async def submit(self, prompts: list[tuple[list[int], SamplingParams]], arrival_time: float) -> None:
+        """Hand every prompt's n requests to the engine loop, sample i seeded seed + i (as vLLM; choice
+        p * n + i); raises the first refusal (add_request's 400)."""
+        requests = [(token_ids, params.for_sample(i)) for token_ids, params in prompts for i in range(params.n)]
+        self.index = {f"{self.id}-{index}": index for index in range(len(requests))}
+        try:
+            await self.stream.submit([(request_id, token_ids, params)
+                                      for request_id, (token_ids, params) in zip(self.index, requests)], arrival_time)
+        except ENGINE_ERRORS as error:
+            raise engine_error(error) from None
+
+    async def results(self) -> AsyncIterator[tuple[int, RequestDelta | RequestOutput]]:
+        """(choice index, delta or final output), as they come; raises a failure of the engine."""
+        try:
+            async for result in self.stream:
+                yield self.index[result.request_id], result
+        except ENGINE_ERRORS as error:
+            raise engine_error(error) from None
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.stream.close()
+            self.serving.num_in_flight -= self.num_choices
+
+
+async def generate_response(serving: Serving, request: Request, api: API, body: SamplingBody, num_prompts: int,
+                            prepare: Callable[[], list[Prompt]], arrival_time: float) -> Response:
+    """Serve a completions or chat request whose prompts `prepare` tokenizes (in the tokenizer thread)."""
+    serving.check_model(body.model)
+    max_tokens = api.max_tokens(body)
+    params = sampling_params(body, api, max_tokens, serving.limits)
+    if body.stream_options is not None and not body.stream:
+        raise APIError("stream_options is only for stream=true", param="stream_options")
+    generation = Generation(serving, num_prompts * params.n)  # takes its slots, or 429
+
+    async def start() -> Response:
+        prompts = await serving.in_tokenizer_thread(prepare)
+        fitted = [serving.fit_to_context(params, max_tokens, len(p.token_ids), api.prompt_field) for p in prompts]
+        await generation.submit([(p.token_ids, f) for p, f in zip(prompts, fitted)], arrival_time)
+        formatter = api(body, prompts, params.n, serving.token_strings)
+        head = dict(id=f"{api.id_prefix}-{generation.id}", object=api.chunk_object if body.stream else api.object,
+                    created=int(time.time()), model=serving.model_name)
+        if body.stream:
+            include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
+            return EventStream(generation, formatter, head, include_usage)
+        return await whole_response(generation, formatter, head)
+    try:
+        response = await until_disconnected(request, start())
+    except BaseException:
+        generation.close()
+        raise
+    if not isinstance(response, EventStream):  # an EventStream closes it when it ends
+        generation.close()
+    return response
+
+
+async def whole_response(generation: Generation, api: Formatter, head: dict) -> JSONResponse:
+    outputs = {index: result async for index, result in generation.results() if isinstance(result, RequestOutput)}
+    shown = {index: api.show(index, outputs[index]) for index in sorted(outputs)}
+    await api.strings.learn(set().union(*(s.named_tokens() for s in shown.values())))
+    choices = [api.choice(index, s) for index, s in shown.items()]
+    return JSONResponse({**head, "choices": choices, "usage": api.usage(list(outputs.values()))})
+
+
+async def event_stream(generation: Generation, api: Formatter, head: dict,
+                       include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per delta with text or logprobs, the usage if asked, then [DONE]. A
+    failure mid-stream is an error event (OpenAI's error body) before [DONE]: the 200 was sent long ago."""
+    try:
+        for index in range(generation.num_choices):
+            if (choice := api.first_chunk_choice(index)) is not None:
+                yield sse({**head, "choices": [choice]})
+        outputs = []
+        async for index, result in generation.results():
+            if isinstance(result, RequestOutput):
+                outputs.append(result)
+                continue
+            shown = api.show(index, result)
+            if shown.text or shown.finish_reason or shown.text is None or shown.logprobs is not None:  # "": held back
+                await api.strings.learn(shown.named_tokens())
+                yield sse({**head, "choices": [api.chunk_choice(index, shown)]})
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": api.usage(outputs)})
+    except APIError as error:
+        yield sse(error.body)
+    except Exception as error:  # a bug here: still an error event, then [DONE]
+        logger.exception("a stream failed")
+        yield sse(APIError(f"the stream failed: {error!r}", status=500).body)
+    yield "data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """A streamed request's response. A client disconnect reaches the engine because Starlette
+    cancels the response: its listen_for_disconnect task sees http.disconnect and cancels the task
+    that runs the event_stream generator. Whenever that happens (even before the generator has
+    started, when its own `finally` would never run), __call__'s `finally` closes the generation,
+    which aborts its engine requests."""
+
+    def __init__(self, generation: Generation, api: Formatter, head: dict, include_usage: bool) -> None:
+        super().__init__(event_stream(generation, api, head, include_usage), media_type="text/event-stream")
+        self.generation = generation
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()
+
+
+async def until_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """`work`'s response, unless the client disconnects first: then `work` is cancelled and the
+    handler's generation.close() aborts its engine requests, so a client that gave up costs no more
+    tokens. (Starlette does not cancel a handler whose client left; a stream, see EventStream.)"""
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():  # the client left (or this handler was cancelled)
+            task.cancel()
+    return task.result() if task in done else Response(status_code=499)  # 499: no one reads it
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body was read: receive() has nothing else to say)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+

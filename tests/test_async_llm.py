@@ -1,0 +1,123 @@
+"""AsyncLLM (nanoserve/async_llm.py) from plain asyncio, no HTTP, on the bundled model: what it
+streams equals LLM.generate offline, requests run together, and an abort frees the KV cache."""
+import asyncio
+import contextlib
+
+import pytest
+
+import nanoserve
+from nanoserve import LLM, LLMEngine, RequestDelta, RequestOutput, SamplingParams
+from nanoserve.async_llm import AsyncLLM, StatLogger
+from nanoserve.config import Config
+
+ENGINE = dict(device="cpu", block_size=8, num_kvcache_blocks=25, max_model_len=128)
+PROMPTS = ["It is a truth universally acknowledged", "Mr. Darcy looked at her, and"]
+LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(nanoserve.DEFAULT_MODEL, **ENGINE)
+
+
+def new_engine() -> LLMEngine:
+    return LLMEngine(Config.from_kwargs(nanoserve.DEFAULT_MODEL, **ENGINE))
+
+
+async def collect(llm: AsyncLLM, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                  order: list[tuple[str, str]]) -> tuple[list[RequestDelta], RequestOutput]:
+    """A request's deltas and its output, each noted in `order` as ("delta" | "output", request_id)."""
+    deltas, outputs = [], []
+    async for result in llm.generate(prompt_token_ids, params, request_id):
+        is_delta = isinstance(result, RequestDelta)
+        (deltas if is_delta else outputs).append(result)
+        order.append(("delta" if is_delta else "output", result.request_id))
+    assert len(outputs) == 1, "a stream ends with exactly one RequestOutput"
+    return deltas, outputs[0]
+
+
+def test_greedy_stream_equals_llm_generate(offline):
+    """Catches: deltas lost or sent twice (their text and tokens would not add up to the output's),
+    the sampling params not reaching the engine, another request's results in this stream."""
+    expected = offline.generate(PROMPTS[0], LONG, use_tqdm=False)[0]
+
+    async def run():
+        async with AsyncLLM(new_engine()) as llm:
+            return await collect(llm, expected.prompt_token_ids, LONG, "greedy", [])
+    deltas, output = asyncio.run(run())
+    assert output.token_ids == expected.token_ids and output.text == expected.text
+    assert [t for d in deltas for t in d.token_ids] == expected.token_ids
+    assert "".join(d.text for d in deltas) == expected.text
+    assert deltas[-1].finish_reason == output.finish_reason == "length"
+
+
+def test_two_generates_interleave_and_both_finish(offline):
+    """Catches: requests served one after the other instead of batched together (the second's first
+    token would come after the first's output), replies crossed between two streams, one stream
+    left waiting after the other finished."""
+    expected = offline.generate(PROMPTS, LONG, use_tqdm=False)
+    order: list[tuple[str, str]] = []
+
+    async def run():
+        async with AsyncLLM(new_engine()) as llm:
+            return await asyncio.gather(*(collect(llm, e.prompt_token_ids, LONG, f"r{i}", order)
+                                          for i, e in enumerate(expected)))
+    results = asyncio.run(run())
+    for (deltas, output), e, request_id in zip(results, expected, ["r0", "r1"]):
+        assert output.text == e.text and output.request_id == request_id
+        assert {d.request_id for d in deltas} == {request_id}
+    for a, b in (("r0", "r1"), ("r1", "r0")):  # each one's first token came before the other's output
+        assert order.index(("delta", a)) < order.index(("output", b)), order
+
+
+class EngineLog(StatLogger):
+    """What the engine thread reports: the requests finished, and the free blocks after its last step."""
+
+    def __init__(self) -> None:
+        self.finished: list[RequestOutput] = []
+        self.num_free_blocks: int | None = None
+
+    def record_finished(self, output: RequestOutput) -> None:
+        self.finished.append(output)
+
+    def record_engine(self, stats: dict[str, int]) -> None:
+        self.num_free_blocks = stats["num_free_blocks"]
+
+
+def test_abort_mid_stream_frees_every_block():
+    """Catches: an abort that never reaches the engine (the request runs on to max_tokens), KV blocks
+    not freed, a stream that hangs after abort() instead of ending with its aborted output, a reader
+    that stops early (closing its stream) leaving its request running."""
+    engine, log = new_engine(), EngineLog()
+    free_at_start = engine.stats()["num_free_blocks"]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+
+    async def abort_after_three_deltas(llm: AsyncLLM) -> RequestOutput:
+        num_deltas = 0
+        async for result in llm.generate(prompt, params, "aborted"):
+            if isinstance(result, RequestOutput):
+                return result
+            num_deltas += 1
+            if num_deltas == 3:
+                assert log.num_free_blocks < free_at_start  # blocks held while it runs (the engine thread's count)
+                llm.abort("aborted")
+        raise AssertionError("the stream ended without its output")
+
+    async def leave_after_one_delta(llm: AsyncLLM) -> None:
+        async with contextlib.aclosing(llm.generate(prompt, params, "left")) as stream:
+            async for _ in stream:
+                break
+        while not any(o.request_id == "left" for o in log.finished):  # the abort reaches the engine thread
+            await asyncio.sleep(0.01)
+
+    async def run():
+        async with AsyncLLM(engine, log) as llm:
+            output = await asyncio.wait_for(abort_after_three_deltas(llm), timeout=30)
+            await asyncio.wait_for(leave_after_one_delta(llm), timeout=30)
+            return output
+    output = asyncio.run(run())
+    assert output.finish_reason == "abort" and 3 <= len(output.token_ids) < 100
+    assert [(o.request_id, o.finish_reason) for o in log.finished] == [("aborted", "abort"), ("left", "abort")]
+    assert len(log.finished[1].token_ids) < 100
+    assert engine.stats()["num_free_blocks"] == free_at_start and not engine.requests  # the thread has stopped
