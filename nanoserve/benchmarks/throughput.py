@@ -58,9 +58,9 @@ def run_nanoserve(path: str, workload: list[Request], scheduling: str, **config:
 
 
 def load_hf(path: str, dtype: str, device: str = "cpu") -> PreTrainedModel:
-    """transformers' own model for the checkpoint, with SDPA attention."""
-    from transformers import LlamaForCausalLM
-    model = LlamaForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    """transformers' own model for the checkpoint (the class its config.json names), with SDPA attention."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
     return model.to(device).eval()
 
 

@@ -76,9 +76,9 @@ def build_default_model(folder: str) -> str:
     """The default workload's random Llama, built once with transformers and kept in `folder`."""
     path = os.path.join(folder, "nanoserve-bench-llama-40m")
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
         torch.manual_seed(0)
-        LlamaForCausalLM(LlamaConfig(**DEFAULT_MODEL)).save_pretrained(path)
+        AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **DEFAULT_MODEL)).save_pretrained(path)
     return path
 
 
