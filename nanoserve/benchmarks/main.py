@@ -40,7 +40,7 @@ from nanoserve.benchmarks.throughput import (
 from nanoserve.benchmarks.workload import WORKLOADS, build_default_model, make_workload, whole_blocks
 
 
-def main(argv: list[str] | None = None) -> None:
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Llama checkpoint folder (default: a random ~40M Llama, built once)")
     p.add_argument("--num-requests", type=int, help="default: 48, or the --workload's own number")
@@ -81,7 +81,12 @@ def main(argv: list[str] | None = None) -> None:
                         "to a CPU: 64 requests of 13-128 tokens. shared-prefix: 32 requests, one 256-token system "
                         "prompt plus 16-64 tokens each, outputs of 16-64, prefix caching on and off")
     p.add_argument("--api-key", help="with --server: sent as a Bearer token")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark `argv` asks for (default: the command line's arguments) and print its tables."""
+    args = make_parser().parse_args(argv)
     span = lambda s: tuple(int(x) for x in s.split("-"))  # noqa: E731
     if args.server:
         # The server's vocab size is not in /v1/models: ids below 1000 are valid for any Llama vocab
