@@ -189,13 +189,15 @@ assert table["continuous"]["KV utilisation"] > table["static"]["KV utilisation"]
 # compare schedulers by **goodput**: completed requests per second that meet every service-level
 # objective (vLLM's `bench serve --goodput`). Here a request is good if its time to first token is
 # at most 500 ms and its time per output token after the first, TPOT = (latency - TTFT) / (output
-# tokens - 1), at most 50 ms. `nanoserve.bench.run_online` sends the same 32 requests as a Poisson
-# process at each rate, to a fresh engine of each kind. Goodput rises with the rate until the
-# engine saturates: past that, requests queue, their TTFT grows, and goodput falls. Static
-# batching saturates early: a request that arrives while a batch runs waits for all of it.
+# tokens - 1), at most 50 ms. `run_online` (nanoserve/benchmarks/online.py) sends the same 32
+# requests as a Poisson process at each rate, to a fresh engine of each kind. Goodput rises with
+# the rate until the engine saturates: past that, requests queue, their TTFT grows, and goodput
+# falls. Static batching saturates early: a request that arrives while a batch runs waits for all
+# of it.
 
 # %%
-from nanoserve.bench import Request, run_online
+from nanoserve.benchmarks.online import run_online
+from nanoserve.benchmarks.workload import Request
 
 SLO = {"ttft": 500, "tpot": 50}  # milliseconds
 RATES = [4, 8, 16, 32]           # requests per second

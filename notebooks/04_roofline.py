@@ -43,7 +43,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.bench import build_default_model
+from nanoserve.benchmarks.workload import build_default_model
 
 # One core: the measurements stay steady on a shared or busy machine. More cores raise both roofs.
 torch.set_num_threads(1)

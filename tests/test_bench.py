@@ -1,7 +1,11 @@
 """Smoke test: the benchmark runs end to end on a tiny model with a handful of requests.
 Benchmarks are not tests: nothing here checks a speed."""
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -9,22 +13,15 @@ import torch
 
 import nanoserve
 from conftest import build_tiny_llama
-from nanoserve import LLMEngine, bench
-from nanoserve.bench import (
-    Machine,
-    ModelShape,
-    OnlineRun,
-    PeerRow,
-    Step,
-    main,
-    make_workload,
-    online_report,
-    parse_batched_bench,
-    peer_table,
-    run_transformers_batch,
-    step_limit,
-    stream_completion,
-)
+from nanoserve import LLMEngine
+from nanoserve.bench import main
+from nanoserve.benchmarks import main as cli
+from nanoserve.benchmarks import throughput
+from nanoserve.benchmarks.http_client import stream_completion
+from nanoserve.benchmarks.llama_cpp import PeerRow, parse_batched_bench, peer_table, run_transformers_batch
+from nanoserve.benchmarks.online import OnlineRun, online_report
+from nanoserve.benchmarks.roofline import Machine, ModelShape, step_limit
+from nanoserve.benchmarks.workload import Step, make_workload
 from nanoserve.config import Config
 from nanoserve.entrypoints.openai.api_server import ServerThread, build_app
 
@@ -33,9 +30,9 @@ def test_benchmark_runs_every_engine(tiny_models, tmp_path, capsys, monkeypatch)
     """--device reaches every engine and the roofline (the bug: transformers and the roofline on the
     CPU while nanoserve ran on the GPU)."""
     devices = []
-    for name in ("load_hf", "measure_machine"):
-        real = getattr(bench, name)
-        monkeypatch.setattr(bench, name, lambda *args, real=real: devices.append(args[-1]) or real(*args))
+    for module, name in ((throughput, "load_hf"), (cli, "measure_machine")):  # where each is looked up
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, real=real: devices.append(args[-1]) or real(*args))
     out = tmp_path / "bench.json"
     main(["--model", tiny_models["gqa"], "--num-requests", "4", "--input-len", "4-12", "--output-len", "2-6",
           "--kv-cache-tokens", "256", "--json", str(out), "--device", "cpu"])
@@ -158,6 +155,16 @@ def test_step_limit_takes_the_larger_of_compute_and_memory():
 def test_profile_decode_runs(tiny_models, capsys):
     main(["--model", tiny_models["gqa"], "--profile-decode", "3"])
     assert "| float32 | 3 |" in capsys.readouterr().out
+
+
+def test_python_m_nanoserve_bench_still_runs():
+    """The benchmarks moved into nanoserve/benchmarks/; catches nanoserve/bench.py losing its
+    `python -m` entry point (the README's every benchmark command starts with it)."""
+    root = str(Path(__file__).resolve().parent.parent)  # this checkout's nanoserve, installed or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-m", "nanoserve.bench", "--help"], capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert result.returncode == 0 and "--profile-decode N" in result.stdout and "--llama-cpp BINARY" in result.stdout
 
 
 # Catches: server mode counting SSE chunks that carry no text (the role chunk, keep-alives, the

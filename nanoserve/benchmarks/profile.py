@@ -1,0 +1,56 @@
+"""The decode profile (`--profile-decode N`): where one decode step of N requests spends its time,
+attention against the rest, and the matmuls', SDPA's and the KV gather's shares."""
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from nanoserve import LLM, SamplingParams
+
+
+def profile_decode(path: str, num_requests: int, vocab_size: int, config: dict) -> str:
+    """Where one decode step's time goes: `num_requests` requests past their prompts (100-200
+    tokens each). Attention (writing K/V, gathering blocks, SDPA) is timed around every layer's call of
+    the attention backend over 5 steps (the median step is reported); op shares come from
+    torch.profiler on one more."""
+    # room for all: each request reaches at most 232 tokens, 15 blocks of 16; the cache must also
+    # hold one max_model_len request, so that is 256 here, not the model's (8192 for SmolLM2)
+    config = config | dict(num_kvcache_blocks=num_requests * 18 + 1, max_model_len=256)
+    engine = LLM(path, enable_prefix_caching=False, **config).engine
+    rng = random.Random(0)
+    for _ in range(num_requests):
+        engine.add_request([rng.randrange(3, vocab_size) for _ in range(rng.randint(100, 200))],
+                           SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    while engine.step().num_prefill_tokens:  # until every request decodes
+        pass
+    attention: list[float] = []
+    backend = engine.model_runner.model.model.attention  # one backend, called by every layer
+    forward = backend.forward
+
+    def timed_forward(*args: object) -> torch.Tensor:
+        start = time.perf_counter()
+        out = forward(*args)
+        attention.append(time.perf_counter() - start)
+        return out
+    backend.forward = timed_forward
+    steps = []
+    for _ in range(5):
+        attention.clear()
+        start = time.perf_counter()
+        engine.step()
+        steps.append((time.perf_counter() - start, sum(attention)))
+    step, attend = sorted(steps)[2]
+    with torch.profiler.profile() as prof:
+        engine.step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    share = lambda *names: 100 * sum(e.self_cpu_time_total for e in events if e.key in names) / total  # noqa: E731
+    return ("| dtype | requests | step (ms) | attention | matmuls | SDPA | index_select (KV gather) |\n"
+            "|---|---|---|---|---|---|---|\n"
+            f"| {config['dtype']} | {num_requests} | {1000 * step:.1f} | {100 * attend / step:.0f}% | "
+            f"{share('aten::mm', 'aten::addmm', 'mkldnn::_linear_pointwise'):.0f}% | "
+            f"{share('aten::_scaled_dot_product_flash_attention_for_cpu'):.0f}% | "
+            f"{share('aten::index_select'):.0f}% |")
+
