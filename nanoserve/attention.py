@@ -107,7 +107,7 @@ class AttentionPlan:
 
 # How many decode rows attend together. A group is padded to its longest context, and its copied keys
 # and values should still be in cache when SDPA reads them: groups of about 8 rows measured fastest on
-# CPU in both dtypes (figures: README, "Benchmark").
+# CPU in both dtypes (figures: docs/performance.md, "Offline").
 DECODE_GROUP_ROWS = 8
 
 

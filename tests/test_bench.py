@@ -159,7 +159,7 @@ def test_profile_decode_runs(tiny_models, capsys):
 
 def test_python_m_nanoserve_bench_still_runs():
     """The benchmarks moved into nanoserve/benchmarks/; catches nanoserve/bench.py losing its
-    `python -m` entry point (the README's every benchmark command starts with it)."""
+    `python -m` entry point (docs/performance.md's commands use it)."""
     root = str(Path(__file__).resolve().parent.parent)  # this checkout's nanoserve, installed or not
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, "-m", "nanoserve.bench", "--help"], capture_output=True, text=True,

@@ -38,7 +38,7 @@ def run_llama_cpp(binary: str, gguf: str, batch_sizes: list[int], prompt_len: in
     `prompt_len` random prompt tokens, then `gen_len` decode steps of all B together."""
     found = shutil.which(binary)
     if found is None:
-        raise SystemExit(f"llama-batched-bench not found or not executable: {binary!r} (the README's "
+        raise SystemExit(f"llama-batched-bench not found or not executable: {binary!r} (docs/performance.md's "
                          "'llama.cpp as a yardstick' shows how to build it)")
     context = max(batch_sizes) * (prompt_len + gen_len)  # it skips any B whose sequences do not fit
     cmd = [found, "-m", gguf, "-c", str(context), "-npp", str(prompt_len), "-ntg", str(gen_len),

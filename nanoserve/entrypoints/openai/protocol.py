@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask of the server (README: "Limits"); past them, a 4xx at once."""
+    """What one request may ask of the server (docs/serving.md, "Limits"); past them, a 4xx at once."""
     max_body_bytes: int = 8 * 2**20                # 413 past this; the body is read no further
     max_stop: int = 32                             # stop strings, and stop_token_ids, per request
     max_stop_chars: int = 1024                     # characters in one stop string
