@@ -38,10 +38,11 @@ from nanoserve.benchmarks.throughput import (
     run_nanoserve,
 )
 from nanoserve.benchmarks.workload import WORKLOADS, build_default_model, make_workload, whole_blocks
+from nanoserve.entrypoints.utils import OneLineParser
 
 
-def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def make_parser(prog: str = "python -m nanoserve.bench") -> argparse.ArgumentParser:
+    p = OneLineParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Llama checkpoint folder (default: a random ~40M Llama, built once)")
     p.add_argument("--num-requests", type=int, help="default: 48, or the --workload's own number")
     p.add_argument("--input-len", default="16-256", help="prompt lengths, MIN-MAX")
@@ -84,9 +85,9 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.bench") -> None:
     """Run the benchmark `argv` asks for (default: the command line's arguments) and print its tables."""
-    args = make_parser().parse_args(argv)
+    args = make_parser(prog).parse_args(argv)
     span = lambda s: tuple(int(x) for x in s.split("-"))  # noqa: E731
     if args.server:
         # The server's vocab size is not in /v1/models: ids below 1000 are valid for any Llama vocab

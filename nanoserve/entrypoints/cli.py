@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
         serve(argv[1:])
     elif command == "bench":
         from nanoserve.bench import main as bench  # transformers' peers load only for a benchmark
-        bench(argv[1:])
+        bench(argv[1:], prog="nanoserve bench")
     else:
         generate(argv[1:])
 
