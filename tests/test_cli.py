@@ -59,9 +59,9 @@ def test_the_command_runs_in_its_own_process():
 # Catches: `nanoserve bench` dropping or reordering the benchmark's arguments.
 def test_bench_gets_its_arguments(monkeypatch):
     calls = []
-    monkeypatch.setattr(nanoserve.bench, "main", calls.append)
+    monkeypatch.setattr(nanoserve.bench, "main", lambda argv, prog: calls.append((argv, prog)))
     cli.main(["bench", "--num-requests", "4", "--rates", "20,50"])
-    assert calls == [["--num-requests", "4", "--rates", "20,50"]]
+    assert calls == [(["--num-requests", "4", "--rates", "20,50"], "nanoserve bench")]
 
 
 # Catches: generate printing a delta twice or not at all, a trailing text never printed, its sampling
