@@ -318,7 +318,7 @@ def write_config(folder: Path, **fields: object) -> str:
 
 def test_auto_dtype_follows_the_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(device, "has_native_bf16", lambda batched=False: True)  # a CPU with AMX
+    monkeypatch.setattr(device, "why_not_native_bf16", lambda batched=False: None)  # a CPU with AMX
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # only resolved here, nothing runs on CUDA
     fp32 = write_config(tmp_path / "fp32", dtype="float32")
     bf16 = write_config(tmp_path / "bf16", dtype="bfloat16")
@@ -347,7 +347,7 @@ def test_auto_dtype_never_emulates_bfloat16(tmp_path, monkeypatch, caplog):
     """Without native bf16 matmuls "auto" runs a bfloat16 checkpoint in float32 and logs one line
     saying why; bfloat16 asked for by name obeys, with a warning. Catches "auto" picking an
     emulated dtype (2-5x slower at batch decode on an AVX2 CPU), or overruling an explicit name."""
-    monkeypatch.setattr(device, "has_native_bf16", lambda batched=False: False)
+    monkeypatch.setattr(device, "why_not_native_bf16", lambda batched=False: "an emulating CPU")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     bf16 = write_config(tmp_path / "bf16", dtype="bfloat16")
     cpu = torch.device("cpu")
@@ -377,6 +377,43 @@ def test_auto_dtype_keeps_bfloat16_on_a_cpu_only_where_it_beats_float32(tmp_path
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert resolve_dtype("bfloat16", cpu, bf16) == torch.bfloat16
+
+
+# CPUs without native (or without fast batched) bfloat16, as torch reports them: (machine, oneDNN built in,
+# oneDNN bf16 kernels, AVX512-BF16, AMX), and the cause the dtype warning must name.
+SLOW_BF16_CPUS = {
+    "torch without oneDNN": (("x86_64", False, False, True, True), "without oneDNN"),
+    "AVX2 x86": (("x86_64", True, False, False, False), "they need AVX-512"),
+    "Arm without BF16": (("aarch64", True, False, False, False), "Arm CPU has no BF16"),
+    "AVX-512 without BF16": (("x86_64", True, True, False, False), "no AVX512-BF16 nor AMX"),
+    "AVX512-BF16 without AMX": (("x86_64", True, True, True, False), "no AMX:"),
+}
+
+
+@pytest.mark.parametrize("cpu", SLOW_BF16_CPUS)
+def test_bfloat16_warning_names_its_cause(tmp_path, monkeypatch, caplog, cpu):
+    """Each CPU without fast bfloat16, forced: "auto" logs why it runs float32 and bfloat16 by name warns
+    why it is slow, naming this CPU's cause and no other's (AVX512-BF16 alone is native, only slower at
+    batch decode: no warning by name). Catches a message that names one cause for all ("no AMX" on Arm)."""
+    (machine, mkldnn, onednn_bf16, avx512_bf16, amx), cause = SLOW_BF16_CPUS[cpu]
+    monkeypatch.setattr(device.platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: mkldnn)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    bf16, cpu_device = write_config(tmp_path, dtype="bfloat16"), torch.device("cpu")
+    others = [other for name, (_, other) in SLOW_BF16_CPUS.items() if name != cpu]
+    assert resolve_dtype("auto", cpu_device, bf16) == torch.float32
+    [record] = caplog.records
+    assert cause in record.message and not any(other in record.message for other in others)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resolve_dtype("bfloat16", cpu_device, bf16) == torch.bfloat16
+    messages = [str(w.message) for w in caught]
+    if cpu == "AVX512-BF16 without AMX":
+        assert messages == []
+    else:
+        assert len(messages) == 1 and cause in messages[0] and not any(other in messages[0] for other in others)
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="oneDNN's ISA names are x86's")

@@ -81,7 +81,7 @@ def test_each_rank_holds_only_its_shard(tiny_models, monkeypatch):
     parts = [qkv(h.model.layers[0].self_attn.qkv_proj.weight, q // 2, kv // 2) for h in halves]
     for i, full in enumerate((full_q, full_k, full_v)):
         assert torch.equal(torch.cat([p[i] for p in parts]), full)
-    for name, dim in (("self_attn.o_proj", 1), ("mlp.down_proj", 1)):
+    for name, dim in (("self_attn.o_proj", 1), ("mlp.down_proj", 1)):  # row-parallel: split on in_features
         full = whole.model.layers[1].get_submodule(name).weight
         assert torch.equal(torch.cat([h.model.layers[1].get_submodule(name).weight for h in halves], dim=dim), full)
     gate_up = [h.model.layers[1].mlp.gate_up_proj.weight.chunk(2) for h in halves]

@@ -34,8 +34,9 @@ from nanoserve.layers.rotary_embedding import RotaryEmbedding, apply_rope
 # How the checkpoint's modules become ours, one row per checkpoint module (Hugging Face's name):
 # (our module, the dim tensor parallelism splits its weight on). Several checkpoint modules naming
 # one of ours are stacked on the output dim (dim 0) in this order: qkv_proj is [q; k; v].
-# Split dim 0, the output rows: a rank holds its heads, hidden units or vocabulary range.
-# Split dim 1, the input columns: each rank's product is a partial sum, added up by all_reduce.
+# Split dim 0 of the `[out_features, in_features]` weight (column-parallel, distributed.py): a rank
+# holds its heads, hidden units or vocabulary range. Split dim 1 (row-parallel): each rank's product
+# is a partial sum, added up by all_reduce.
 # Modules not listed (the norms) keep their name and are whole on every rank.
 CHECKPOINT_MODULES = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 0), "v_proj": ("qkv_proj", 0),
