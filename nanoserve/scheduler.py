@@ -141,9 +141,8 @@ class Scheduler:
         """What an admission must leave free: the blocks the running requests need for their next
         2 * block_size tokens (fewer for one that stops sooner). Without it, requests are admitted
         while blocks last and the newest are preempted and recomputed a few steps later, as the
-        running ones grow (docs/batching.md measures it). With nothing running it is 0: a request
-        the cache can hold is always admitted. Static batching, difference 4 of 4: nothing, because
-        every running request already holds the blocks for its whole length (difference 3)."""
+        running ones grow (docs/batching.md measures it). With nothing running it is 0: a request the
+        cache can hold is always admitted. Static batching, difference 4 of 4: 0 (admission reserved it all)."""
         if self.config.scheduling == "static":
             return 0
         block_size = self.block_manager.block_size
