@@ -1,6 +1,7 @@
-"""Tests for nanoserve/models/ (llama.py, loader.py) and layers/: logits equal transformers' LlamaForCausalLM.
+"""Tests for nanoserve/models/ (llama.py, loader.py) and layers/: logits equal transformers' model of
+each family nanoserve runs (conftest.FAMILIES: Llama, Mistral, Qwen2).
 
-Each test builds a tiny random Llama with transformers, saves it like a Hub checkpoint into a tmp
+Each test builds a tiny random model with transformers, saves it like a Hub checkpoint into a tmp
 folder, loads it with `load_model` and compares logits for the same tokens. Weights use
 initializer_range 0.2 (HF's default 0.02 makes logits nearly flat, so a wrong model could still
 pass). Nothing is downloaded. The error tests damage a saved checkpoint and expect a ValueError
@@ -20,18 +21,19 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, LlamaConfig
-from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig, PreTrainedModel, Qwen2Config
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from conftest import FAMILIES
 from nanoserve import device
 from nanoserve.batch import Batch
 from nanoserve.device import resolve_dtype
 from nanoserve.layers import linear
 from nanoserve.layers.linear import PackedLinear
 from nanoserve.layers.rotary_embedding import RotaryEmbedding, apply_rope
-from nanoserve.models import loader
-from nanoserve.models.loader import load_model
+from nanoserve.models import get_head_dim, loader
+from nanoserve.models.llama import LlamaForCausalLM
+from nanoserve.models.loader import MODELS, load_model
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -39,18 +41,19 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 
-def make_config(**overrides: object) -> LlamaConfig:
-    """Hidden 64, 2 layers, 4 query heads sharing 2 kv heads (GQA), head_dim 16, vocab 256."""
+def save_model(path: Path, max_shard_size: str | None = None, family: str = "llama",
+               **overrides: object) -> PreTrainedModel:
+    """Save a random tiny model of `family` to `path` and return it, as the reference: hidden 64, 2 layers,
+    4 query heads sharing 2 kv heads (GQA), head_dim 16, vocab 256; biases (Qwen2's) random too."""
     fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=256, max_position_embeddings=128,
                   initializer_range=0.2, rms_norm_eps=1e-5)
-    return LlamaConfig(**(fields | overrides))
-
-
-def save_llama(path: Path, max_shard_size: str | None = None, **overrides: object) -> HFLlamaForCausalLM:
-    """Save a random tiny Llama to `path` and return it, as the reference."""
     torch.manual_seed(0)
-    model = HFLlamaForCausalLM(make_config(**overrides)).eval()
+    model = AutoModelForCausalLM.from_config(FAMILIES[family](**(fields | overrides))).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0, 0.2)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return model
@@ -94,7 +97,7 @@ def empty_kv_cache(model: torch.nn.Module) -> torch.Tensor:
     return torch.zeros(2, model.num_layers, NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
 
 
-def reference_logits(hf_model: HFLlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
+def reference_logits(hf_model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return hf_model(torch.tensor([tokens])).logits[0].float()  # [n, vocab]
 
@@ -120,12 +123,12 @@ def assert_same_logits(actual: torch.Tensor, expected: torch.Tensor) -> None:
     {"num_key_value_heads": 4, "head_dim": 8},  # MHA, head_dim != hidden / heads
 ], ids=["gqa", "tied", "llama3_rope", "mha_head_dim"])
 def test_prefill_matches_transformers(tmp_path: Path, overrides: dict) -> None:
-    hf_model = save_llama(tmp_path, **overrides)
+    hf_model = save_model(tmp_path, **overrides)
     assert_same_logits(run_prefill(tmp_path, PROMPT), reference_logits(hf_model, PROMPT))
 
 
 def test_tied_checkpoint_has_no_lm_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    save_llama(tmp_path, tie_word_embeddings=True)
+    save_model(tmp_path, tie_word_embeddings=True)
     assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
     monkeypatch.setattr(linear, "choose_linear", lambda dtype, max_num_seqs: "column_major")
     model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
@@ -135,15 +138,16 @@ def test_tied_checkpoint_has_no_lm_head(tmp_path: Path, monkeypatch: pytest.Monk
 
 @pytest.mark.parametrize("layout", ["column_major", "packed", "row_major"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_linear_layout_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str,
-                                                  tied: bool) -> None:
-    """Whatever `choose_linear` picks for this CPU (forced here), the model holds the checkpoint's
-    weights in that layout and float32 logits equal transformers' for a prefill and a decode step.
-    Catches a layout silently lost (only the speed would drop), a packed weight transposed or a tied
-    lm_head packed from the wrong matrix."""
+                                                  tied: bool, family: str) -> None:
+    """For each family, whatever `choose_linear` picks for this CPU (forced here), the model holds the
+    checkpoint's weights in that layout and float32 logits equal transformers' for a prefill and a decode
+    step. Catches a layout silently lost (only the speed would drop), a packed weight transposed, a tied
+    lm_head packed from the wrong matrix, or a bias (Qwen2's q, k, v) dropped or stacked out of order."""
     if layout == "packed" and not linear.has_onednn(torch.float32):
         pytest.skip("oneDNN float32 is used (and measured) on x86 only")
-    hf_model = save_llama(tmp_path, tie_word_embeddings=tied)
+    hf_model = save_model(tmp_path, family=family, tie_word_embeddings=tied)
     monkeypatch.setattr(linear, "choose_linear", lambda dtype, max_num_seqs: layout)
     model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
     linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
@@ -192,7 +196,7 @@ def test_rope_equals_transformers_bit_for_bit(dtype: torch.dtype) -> None:
 
 def test_old_style_rope_scaling(tmp_path: Path) -> None:
     """Llama 3 checkpoints on the Hub write `rope_scaling` + `rope_theta`, not `rope_parameters`."""
-    hf_model = save_llama(tmp_path, rope_parameters=LLAMA3_ROPE)
+    hf_model = save_model(tmp_path, rope_parameters=LLAMA3_ROPE)
     config = json.loads((tmp_path / "config.json").read_text())
     rope = config.pop("rope_parameters")
     config["rope_theta"] = rope.pop("rope_theta")
@@ -202,14 +206,14 @@ def test_old_style_rope_scaling(tmp_path: Path) -> None:
 
 
 def test_sharded_checkpoint(tmp_path: Path) -> None:
-    hf_model = save_llama(tmp_path, max_shard_size="50KB")
+    hf_model = save_model(tmp_path, max_shard_size="50KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     assert_same_logits(run_prefill(tmp_path, PROMPT), reference_logits(hf_model, PROMPT))
 
 
 def test_logits_only_for_logits_indices(tmp_path: Path) -> None:
-    hf_model = save_llama(tmp_path)
+    hf_model = save_model(tmp_path)
     model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
     batch = make_batch([PROMPT])
     last_row = dataclasses.replace(batch, logits_indices=torch.tensor([len(PROMPT) - 1]))
@@ -221,7 +225,7 @@ def test_logits_only_for_logits_indices(tmp_path: Path) -> None:
 
 def test_batched_prefill_then_decode(tmp_path: Path) -> None:
     """Two requests in one prefill, then one decode step each reading the cache the prefill wrote."""
-    hf_model = save_llama(tmp_path, rope_parameters=LLAMA3_ROPE)
+    hf_model = save_model(tmp_path, rope_parameters=LLAMA3_ROPE)
     model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
     prompts = [PROMPT, [5, 6, 7, 8, 9]]
     kv_cache = empty_kv_cache(model)
@@ -235,18 +239,19 @@ def test_batched_prefill_then_decode(tmp_path: Path) -> None:
 
 
 def test_bfloat16_load(tmp_path: Path) -> None:
-    save_llama(tmp_path)
+    save_model(tmp_path)
     model = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert model.model.rotary.inv_freq.dtype == torch.float32  # RoPE angles stay float32
 
 
 @pytest.mark.skipif(not linear.has_onednn(torch.bfloat16), reason="oneDNN has no bfloat16 kernels on this CPU")
-def test_packed_linears_equal_nn_linear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_packed_linears_equal_nn_linear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str) -> None:
     """bfloat16 on CPU runs its matmuls through PackedLinear (pack_linears): the same logits, bit for
     bit, as the reference nn.Linear model, for a prefill and a decode step. Catches a packed weight
-    that is transposed, rounded or lost its tie to the embedding."""
-    save_llama(tmp_path, tie_word_embeddings=True)
+    that is transposed, rounded or lost its tie to the embedding, or a bias (Qwen2's) left out."""
+    save_model(tmp_path, family=family, tie_word_embeddings=True)
     packed = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
     monkeypatch.setattr(loader, "pack_linears", lambda model, max_num_seqs: model)  # the reference: plain nn.Linear
     plain = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
@@ -285,14 +290,47 @@ def test_not_a_llama(tmp_path: Path) -> None:
         load(tmp_path)
 
 
+def test_an_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> None:
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as error:
+        load(tmp_path)
+    assert all(name in str(error.value) for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"))
+
+
+def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path: Path) -> None:
+    """Attention here always sees the whole context: a Mistral whose window is shorter than its context
+    would differ from transformers' past the window. A window covering the context runs (as in the
+    layout test, Mistral's default 4096 over 128 positions)."""
+    save_model(tmp_path, family="mistral", sliding_window=32)
+    with pytest.raises(ValueError, match="sliding_window=32"):
+        load(tmp_path)
+
+
+def test_a_checkpoint_tensor_no_parameter_reads_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen2 registered as plain Llama (its q, k, v bias flag forgotten): the biases would be left unread and
+    every logit wrong. Catches a family whose row in MODELS misses a flag: the loader refuses, naming the tensor."""
+    save_model(tmp_path, family="qwen2")
+    monkeypatch.setitem(MODELS, "Qwen2ForCausalLM", LlamaForCausalLM)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.bias' has no parameter"):
+        load(tmp_path)
+
+
+def test_head_dim_from_the_config_or_from_hidden_size_over_heads() -> None:
+    """Mistral's config gives head_dim (here not hidden / heads), Qwen2's has none: the runner sizes the KV
+    cache and picks the attention backend from the same head_dim the model is built with."""
+    sizes = dict(hidden_size=64, num_attention_heads=4)
+    assert get_head_dim(MistralConfig(**sizes, head_dim=8)) == 8
+    assert not hasattr(Qwen2Config(), "head_dim") and get_head_dim(Qwen2Config(**sizes)) == 16
+
+
 def test_unsupported_rope_type(tmp_path: Path) -> None:
-    save_llama(tmp_path, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+    save_model(tmp_path, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
     with pytest.raises(ValueError, match="'linear'"):
         load(tmp_path)
 
 
 def test_missing_tensor(tmp_path: Path) -> None:
-    save_llama(tmp_path)
+    save_model(tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
@@ -301,7 +339,7 @@ def test_missing_tensor(tmp_path: Path) -> None:
 
 
 def test_wrong_shape(tmp_path: Path) -> None:
-    save_llama(tmp_path)
+    save_model(tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
     tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 64)  # 1 kv head, not 2
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})

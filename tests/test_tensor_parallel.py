@@ -45,11 +45,12 @@ def children_alive(pids: list[int]) -> list[int]:
     return alive
 
 
-@pytest.mark.parametrize("model", ["gqa", "tied"])
+@pytest.mark.parametrize("model", ["gqa", "tied", "qwen2"])
 def test_tp2_matches_tp1_and_transformers(tiny_models, model):
     """Catches a wrong split (q/k/v slices crossed, GQA heads paired with another rank's KV heads,
-    o_proj split on the wrong dim), a missing all-reduce, a vocab range off by one in the embedding
-    or lm_head gather, and tied embeddings sliced differently from lm_head."""
+    o_proj split on the wrong dim, Qwen2's q/k/v biases not split with their weights), a missing
+    all-reduce, a vocab range off by one in the embedding or lm_head gather, and tied embeddings sliced
+    differently from lm_head."""
     path = tiny_models[model]
     params = [greedy(n) for n in MAX_TOKENS]
     one = LLM(path, **PRESSURE).generate(PROMPTS, params, use_tqdm=False)
