@@ -16,6 +16,7 @@ import platform
 import subprocess
 import sys
 import warnings
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -312,6 +313,15 @@ def test_a_checkpoint_tensor_no_parameter_reads_is_refused(tmp_path: Path, monke
     save_model(tmp_path, family="qwen2")
     monkeypatch.setitem(MODELS, "Qwen2ForCausalLM", LlamaForCausalLM)
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.bias' has no parameter"):
+        load(tmp_path)
+
+
+def test_a_parameter_the_checkpoint_lacks_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama registered with Qwen2's bias flag: our q, k, v biases have no checkpoint tensor. Catches a
+    KeyError deep in the loader, or a bias left at whatever the meta device gave it."""
+    save_model(tmp_path)
+    monkeypatch.setitem(MODELS, "LlamaForCausalLM", partial(LlamaForCausalLM, qkv_bias=True))
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.0\.self_attn\.k_proj\.bias'"):
         load(tmp_path)
 
 

@@ -138,6 +138,9 @@ def check_checkpoint(files: dict[str, Path], config: PretrainedConfig, used: set
             found = f.get_slice(name).get_shape()
         if tuple(found) != shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {list(found)}, expected {list(shape)}")
+    missing = sorted(used - files.keys())  # e.g. a family without biases registered with a bias flag
+    if missing:
+        raise ValueError(f"checkpoint is missing tensor {missing[0]!r}, which our model reads")
 
 
 def read_tensor(files: dict[str, Path], name: str, dim: int | None, shard: Shard = Shard()) -> torch.Tensor:
