@@ -45,7 +45,7 @@ class Block:
     """One block of `block_size` KV slots: who uses it (ref_cnt) and, once full, what it holds."""
     block_id: int
     ref_cnt: int = 0
-    hash: bytes | None = None                 # set once the block is full and its KV computed
+    hash: bytes | None = None                 # set by cache_full_blocks when the step filling it is scheduled
     token_ids: tuple[int, ...] | None = None  # the tokens behind `hash`, to verify a hit
     parent: int | None = None                 # the cached block before it (None: the first block)
 

@@ -5,9 +5,14 @@ is computed once, where it is needed, and passed on as an argument or held by it
 - device (`device.resolve_device`: cuda if available, else cpu) -> the engine, the model runner;
 - max_model_len (the model's max_position_embeddings unless given: `LLMEngine.__init__`) -> the
   scheduler (length stop, static reservation) and the model runner (cache sizing);
-- dtype (`device.resolve_dtype`: the checkpoint's, bfloat16 on CUDA), the attention backend and the
-  block_size (`attention.select_attention`: flash and 256 where flash-attn 2 runs, else torch and
-  16) -> the model runner, which loads the model with them; block_size also -> the engine, the scheduler;
+- dtype (`device.resolve_dtype`: the checkpoint's; on CUDA bfloat16, float16 below sm80; on a CPU a
+  bfloat16 checkpoint stays bfloat16 only where its matmuls beat float32, AMX on x86, else float32),
+  the attention backend and the block_size (`attention.select_attention`: flash and 256 where
+  flash-attn 2 runs, else torch and 16) -> the model runner, which loads the model with them;
+  block_size also -> the engine, the scheduler;
+- the model class (`models.loader.MODELS`, by config.json's `architectures`) -> the model runner;
+- on a CPU, each linear layer's weight layout (`layers.linear.choose_linear`, from the dtype, what
+  oneDNN does on this CPU and max_num_seqs; applied at load by `pack_linears`) -> the model;
 - num_blocks (`ModelRunner.size_kv_cache` on rank 0 alone, from free memory, unless
   num_kvcache_blocks is given; broadcast to the other ranks) -> the KV cache and the block manager;
 - the tokenizer and the EOS token ids (tokenizer.py) -> the engine and the scheduler.

@@ -38,7 +38,8 @@ def resolve_dtype(name: str, device: torch.device, model: str | None = None) -> 
     CUDA float32 becomes bfloat16 (flash-attn needs 16 bits), or float16 below compute capability 8.0,
     which has no bfloat16 tensor cores (vLLM's rule). On a CPU "auto" keeps bfloat16 only where its
     matmuls beat float32 at batch decode (`has_native_bf16(batched=True)`: AMX on x86), else runs
-    float32 and logs why; a bfloat16 asked for by name obeys, with a warning where it is emulated."""
+    float32 and logs why (`why_not_native_bf16`); a bfloat16 asked for by name obeys, with a warning
+    where it is emulated, naming why."""
     asked = name
     if name == "auto":
         config_file = Path(model or "", "config.json")
@@ -49,13 +50,16 @@ def resolve_dtype(name: str, device: torch.device, model: str | None = None) -> 
             dtype = torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
     else:
         dtype = getattr(torch, name)
-    if dtype == torch.bfloat16 and device.type == "cpu" and not has_native_bf16(batched=asked == "auto"):
-        if asked == "auto":
-            logging.getLogger(__name__).warning("dtype='auto': the checkpoint is bfloat16, but on this CPU bfloat16 "
-                                                "matmuls are slower than float32 (no AMX): running in float32")
-            return torch.float32
-        warnings.warn("this CPU has no native bfloat16 matmuls: bfloat16 will be slow; float32 is faster here",
-                      stacklevel=2)
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        return dtype
+    why_not = why_not_native_bf16(batched=asked == "auto")
+    if why_not is not None and asked == "auto":
+        logging.getLogger(__name__).warning(f"dtype='auto': the checkpoint is bfloat16, but on this CPU bfloat16 "
+                                            f"matmuls are slower than float32 ({why_not}): running in float32")
+        return torch.float32
+    if why_not is not None:
+        warnings.warn(f"this CPU has no native bfloat16 matmuls ({why_not}): bfloat16 will be slow; float32 is "
+                      f"faster here", stacklevel=2)
     return dtype
 
 
@@ -70,14 +74,31 @@ def has_onednn(dtype: torch.dtype) -> bool:
 
 
 def has_native_bf16(batched: bool = False) -> bool:
-    """Whether this CPU multiplies bfloat16 natively: oneDNN's bf16 kernels are on (they are not on an AVX2
-    CPU, nor under ONEDNN_MAX_CPU_ISA=AVX2) and, on x86, AVX512-BF16 or AMX does the products (plain AVX512
-    converts each to float32 first). Arm: oneDNN enables bf16 only where the CPU has BF16 instructions.
-    `batched`: and faster than float32 for a batch of decodes, which on x86 takes AMX: with AVX512-BF16
-    alone, 48 requests ran slower in bfloat16 than in float32 on both CPUs measured (README, "Which CPU")."""
-    avx512_bf16 = torch.cpu._is_avx512_bf16_supported() and not batched
-    x86_native = avx512_bf16 or torch.cpu._is_amx_tile_supported()
-    return has_onednn(torch.bfloat16) and (platform.machine().lower() not in X86 or x86_native)
+    """Whether this CPU multiplies bfloat16 natively (`batched`: and faster than float32 at batch decode)."""
+    return why_not_native_bf16(batched) is None
+
+
+def why_not_native_bf16(batched: bool = False) -> str | None:
+    """Why this CPU does not multiply bfloat16 natively, or None where it does: oneDNN's bf16 kernels are
+    on (not in a torch built without oneDNN, on an AVX2 CPU, under ONEDNN_MAX_CPU_ISA=AVX2, nor on an Arm
+    CPU without BF16 instructions) and, on x86, AVX512-BF16 or AMX does the products (plain AVX512
+    converts each to float32 first). `batched`: and faster than float32 for a batch of decodes, which on
+    x86 takes AMX: with AVX512-BF16 alone, 48 requests ran slower in bfloat16 than in float32 on both
+    CPUs measured (README, "Which CPU")."""
+    x86 = platform.machine().lower() in X86
+    if not torch.backends.mkldnn.is_available():
+        return "this torch is built without oneDNN"
+    if not has_onednn(torch.bfloat16) and x86:
+        return "oneDNN has no bf16 kernels for this CPU: they need AVX-512"
+    if not has_onednn(torch.bfloat16):
+        return "this Arm CPU has no BF16 instructions"
+    if not x86 or torch.cpu._is_amx_tile_supported():
+        return None
+    if not torch.cpu._is_avx512_bf16_supported():
+        return "no AVX512-BF16 nor AMX: AVX-512 converts each product to float32"
+    if batched:
+        return "no AMX: with AVX512-BF16 alone, batch decode is slower than in float32"
+    return None
 
 
 def free_memory(device: torch.device) -> tuple[int, int]:

@@ -1,12 +1,16 @@
 """Tensor parallelism's collectives: one model split over N processes ("ranks"), Megatron-style.
 
 Each rank holds 1/N of every layer and does 1/N of its work; the ranks meet twice per layer to sum
-their partial results (all-reduce):
+their partial results (all-reduce). A linear's weight is `[out_features, in_features]` (nn.Linear's
+layout); Megatron and vLLM name the two ways to split it after the math's `Y = X A`, where A is
+that weight transposed, `[in_features, out_features]`:
 
-    qkv_proj, gate_up_proj   split by output columns: rank r computes its own 1/N of the query and
-                             KV heads, and 1/N of the MLP's hidden units; no exchange needed
-    o_proj, down_proj        split by input rows: each rank's product `[N, hidden]` is a partial
-                             sum over its heads / hidden units; one all-reduce adds them up
+    qkv_proj, gate_up_proj   column-parallel, split on out_features (dim 0 of the weight): rank r
+                             computes its own 1/N of the query and KV heads, and 1/N of the MLP's
+                             hidden units; no exchange needed
+    o_proj, down_proj        row-parallel, split on in_features (dim 1 of the weight): each rank's
+                             product `[N, hidden]` is a partial sum over its heads / hidden units;
+                             one all-reduce adds them up
     embed_tokens, lm_head    split over the vocabulary: a rank embeds only the tokens in its range
                              (zeros elsewhere, then an all-reduce); lm_head's slices of the logits
                              are gathered on rank 0, which samples

@@ -14,6 +14,7 @@ from nanoserve.batch import Batch, build_batch, prompt_logprob_positions, sample
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config, cdiv
 from nanoserve.device import free_memory, resolve_dtype
 from nanoserve.distributed import Shard, broadcast_from_rank0
+from nanoserve.models import get_head_dim
 from nanoserve.models.loader import load_model, read_config
 from nanoserve.sampler import Logprob, SamplerOutput, SamplingParams, sample, top_logprobs
 from nanoserve.sequence import Sequence
@@ -27,7 +28,7 @@ class ModelRunner:
         self.shard, self.device = shard, device
         self.dtype = resolve_dtype(config.dtype, device, config.model)
         self.backend, self.block_size = select_attention(config.attention_backend, config.block_size, device,
-                                                         self.dtype, read_config(config.model).head_dim)
+                                                         self.dtype, get_head_dim(read_config(config.model)))
         self.model = load_model(config.model, self.dtype, device, self.backend, shard, config.max_num_seqs)
         if device.type == "cuda":  # the largest step, once: its peak is what the KV cache leaves free
             torch.cuda.reset_peak_memory_stats(device)

@@ -20,8 +20,8 @@ After the model ran, `update` appends each sampled token and `stop_reason` appli
 
 `scheduling="static"` is the baseline (static batching, docs/batching.md): a batch is admitted only
 when the previous one has completely finished, and KV space for prompt + max_tokens - 1 tokens is
-reserved up front (the last sampled token's KV is never needed): the three places where the code
-differs are marked "Static batching, difference N of 3".
+reserved up front (the last sampled token's KV is never needed): the four places where the code
+differs are marked "Static batching, difference N of 4".
 
 Invariants (`assert_invariants` checks them): every accepted request is in exactly one of
 `waiting`, `running`, or finished; waiting requests hold no blocks; a step writes each block for
@@ -64,7 +64,7 @@ class Scheduler:
         """Plan one step. Returns the scheduled requests in batch order."""
         scheduled, preempted = self.schedule_running()
         # A step that preempted is out of blocks: an admission would only be preempted in turn.
-        # Static batching, difference 1 of 3: a new batch is admitted only once the last one has
+        # Static batching, difference 1 of 4: a new batch is admitted only once the last one has
         # completely finished (continuous batching admits at every step).
         if preempted or (self.config.scheduling == "static" and self.running):
             return scheduled
@@ -101,7 +101,7 @@ class Scheduler:
         does not fit stops admission: no one behind it jumps the queue."""
         static = self.config.scheduling == "static"
         scheduled: list[ScheduledSeq] = []
-        # Static batching, difference 2 of 3: the whole batch is admitted at once, even past the token
+        # Static batching, difference 2 of 4: the whole batch is admitted at once, even past the token
         # budget (their prompts then run in chunks over the next steps).
         while self.waiting and (budget > 0 or static) and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -128,7 +128,7 @@ class Scheduler:
 
     def slots_to_reserve(self, seq: Sequence, num_tokens_now: int) -> int:
         """KV slots seq takes when admitted. Continuous batching: only what this step writes; later
-        steps take blocks as tokens arrive. Static batching, difference 3 of 3: the whole request up
+        steps take blocks as tokens arrive. Static batching, difference 3 of 4: the whole request up
         front, because nobody knows when it will stop: so it is never preempted."""
         return num_tokens_now if self.config.scheduling == "continuous" else self.max_kv_len(seq)
 
@@ -141,8 +141,8 @@ class Scheduler:
         """What an admission must leave free: the blocks the running requests need for their next
         2 * block_size tokens (fewer for one that stops sooner). Without it, requests are admitted
         while blocks last and the newest are preempted and recomputed a few steps later, as the
-        running ones grow (docs/batching.md measures it). With nothing running it is 0: a request
-        the cache can hold is always admitted. Static batching reserves whole requests instead."""
+        running ones grow (docs/batching.md measures it). With nothing running it is 0: a request the
+        cache can hold is always admitted. Static batching, difference 4 of 4: 0 (admission reserved it all)."""
         if self.config.scheduling == "static":
             return 0
         block_size = self.block_manager.block_size

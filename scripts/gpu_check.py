@@ -34,7 +34,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -168,7 +168,7 @@ def check_decoding(path: str, device: str, batch_sizes: list[int], prompt_len: i
         seconds[b] = time.perf_counter() - start
     rows.append(profile_decode(llm, device, prompts[batch_sizes[min(1, len(batch_sizes) - 1)]], max_tokens))
     rows.append(memory_row(llm, device, utilization))
-    hf = LlamaForCausalLM.from_pretrained(path, dtype=runner.dtype).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=runner.dtype).to(device).eval()
     for b in batch_sizes:
         ids = torch.tensor(prompts[b], device=device)
         sync(device)

@@ -1,4 +1,5 @@
-"""Tiny random Llamas built with transformers and saved to a temp folder: no hub, no downloads.
+"""Tiny random models of each family nanoserve runs (Llamas first), built with transformers and saved
+to a temp folder: no hub, no downloads.
 
 Tests run on the CPU even where CUDA exists (LLM() would pick it, in bfloat16, against float32
 references), their subprocesses too; only tests marked `gpu` see the GPU, and they are skipped
@@ -9,7 +10,7 @@ import os
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from nanoserve import SamplingParams
 
@@ -33,18 +34,30 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             bos_token_id=1, eos_token_id=2, initializer_range=0.1)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+# Each architecture in nanoserve/models/loader.py's MODELS, by the config class transformers builds it from.
+FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
 MODELS = {
     "gqa": {},
     "tied": dict(tie_word_embeddings=True, num_key_value_heads=4),
     "llama3": dict(rope_parameters=LLAMA3_ROPE, num_key_value_heads=1),
+    # Mistral's 4096-token window would be refused; its head_dim is given, and not hidden / heads
+    "mistral": dict(family="mistral", sliding_window=None, head_dim=8, seed=1),
+    "qwen2": dict(family="qwen2"),
 }
 
 
-def build_tiny_llama(path: str, seed: int = 0, old_style_rope: bool = False, **overrides) -> str:
-    """Save a random LlamaForCausalLM to `path`. With old_style_rope the config.json carries
-    `rope_scaling` + `rope_theta` as real Llama 3 checkpoints do, instead of v5's rope_parameters."""
+def build_tiny_model(path: str, family: str = "llama", seed: int = 0, old_style_rope: bool = False,
+                     **overrides) -> str:
+    """Save a random model of `family` (FAMILIES) to `path`. Biases (Qwen2's q, k, v), which transformers
+    starts at zero, are drawn at random too: a bias lost or misplaced must change the tokens. With
+    old_style_rope the config.json carries `rope_scaling` + `rope_theta` as real Llama 3 checkpoints do,
+    instead of v5's rope_parameters."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides}))
+    model = AutoModelForCausalLM.from_config(FAMILIES[family](**{**TINY, **overrides}))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0, 0.2)
     model.save_pretrained(path)
     if old_style_rope:
         config_file = os.path.join(path, "config.json")
@@ -56,11 +69,16 @@ def build_tiny_llama(path: str, seed: int = 0, old_style_rope: bool = False, **o
     return path
 
 
+def build_tiny_llama(path: str, **kwargs) -> str:
+    """A tiny random Llama: build_tiny_model's first family."""
+    return build_tiny_model(path, "llama", **kwargs)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     """Folder of each tiny model by name; 'llama3_old' is llama3 with an old-style config."""
     root = tmp_path_factory.mktemp("models")
-    paths = {name: build_tiny_llama(str(root / name), **kw) for name, kw in MODELS.items()}
+    paths = {name: build_tiny_model(str(root / name), **kw) for name, kw in MODELS.items()}
     paths["llama3_old"] = build_tiny_llama(str(root / "llama3_old"), old_style_rope=True, **MODELS["llama3"])
     return paths
 
@@ -81,7 +99,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def hf_greedy(path: str, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     """The reference: transformers' greedy generate, one prompt at a time (no padding)."""
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     outputs = []
     with torch.no_grad():
         for prompt, n in zip(prompts, max_tokens):

@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 import conftest
 from conftest import greedy
@@ -36,7 +36,7 @@ def reference(path: str) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("setup", SETUPS)
-@pytest.mark.parametrize("model", ["gqa", "tied", "llama3", "llama3_old"])
+@pytest.mark.parametrize("model", ["gqa", "tied", "llama3", "llama3_old", "mistral", "qwen2"])
 def test_greedy_matches_transformers(tiny_models, model, setup):
     path = tiny_models[model]
     llm = LLM(path, **SETUPS[setup])
@@ -175,7 +175,7 @@ def test_flash_backend_agrees_with_transformers_in_bfloat16(tiny_models):
     path = tiny_models["gqa"]
     llm = LLM(path, device="cuda", dtype="bfloat16", attention_backend="flash", block_size=256)
     ours = [o.token_ids for o in llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)]
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     theirs = []
     for prompt, n in zip(PROMPTS, MAX_TOKENS):
         ids = torch.tensor([prompt], device="cuda")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from nanoserve import LLM, SamplingParams
 
@@ -34,7 +34,7 @@ def workload(seed: int = 0, num_prompts: int = 12, shared: int = 32) -> list[lis
 def hf_generate(path: str, prompts: list[list[int]], max_tokens: int, device: str,
                 dtype: torch.dtype) -> list[list[int]]:
     """transformers' greedy generate on `device`, one prompt at a time (no padding)."""
-    model = LlamaForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     outputs = []
     with torch.no_grad():
         for prompt in prompts:

@@ -1,6 +1,7 @@
-"""Tests for nanoserve/models/ (llama.py, loader.py) and layers/: logits equal transformers' LlamaForCausalLM.
+"""Tests for nanoserve/models/ (llama.py, loader.py) and layers/: logits equal transformers' model of
+each family nanoserve runs (conftest.FAMILIES: Llama, Mistral, Qwen2).
 
-Each test builds a tiny random Llama with transformers, saves it like a Hub checkpoint into a tmp
+Each test builds a tiny random model with transformers, saves it like a Hub checkpoint into a tmp
 folder, loads it with `load_model` and compares logits for the same tokens. Weights use
 initializer_range 0.2 (HF's default 0.02 makes logits nearly flat, so a wrong model could still
 pass). Nothing is downloaded. The error tests damage a saved checkpoint and expect a ValueError
@@ -15,23 +16,25 @@ import platform
 import subprocess
 import sys
 import warnings
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, LlamaConfig
-from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig, PreTrainedModel, Qwen2Config
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from conftest import FAMILIES
 from nanoserve import device
 from nanoserve.batch import Batch
 from nanoserve.device import resolve_dtype
 from nanoserve.layers import linear
 from nanoserve.layers.linear import PackedLinear
 from nanoserve.layers.rotary_embedding import RotaryEmbedding, apply_rope
-from nanoserve.models import loader
-from nanoserve.models.loader import load_model
+from nanoserve.models import get_head_dim, loader
+from nanoserve.models.llama import LlamaForCausalLM
+from nanoserve.models.loader import MODELS, load_model
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -39,18 +42,19 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 
-def make_config(**overrides: object) -> LlamaConfig:
-    """Hidden 64, 2 layers, 4 query heads sharing 2 kv heads (GQA), head_dim 16, vocab 256."""
+def save_model(path: Path, max_shard_size: str | None = None, family: str = "llama",
+               **overrides: object) -> PreTrainedModel:
+    """Save a random tiny model of `family` to `path` and return it, as the reference: hidden 64, 2 layers,
+    4 query heads sharing 2 kv heads (GQA), head_dim 16, vocab 256; biases (Qwen2's) random too."""
     fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=256, max_position_embeddings=128,
                   initializer_range=0.2, rms_norm_eps=1e-5)
-    return LlamaConfig(**(fields | overrides))
-
-
-def save_llama(path: Path, max_shard_size: str | None = None, **overrides: object) -> HFLlamaForCausalLM:
-    """Save a random tiny Llama to `path` and return it, as the reference."""
     torch.manual_seed(0)
-    model = HFLlamaForCausalLM(make_config(**overrides)).eval()
+    model = AutoModelForCausalLM.from_config(FAMILIES[family](**(fields | overrides))).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0, 0.2)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return model
@@ -94,7 +98,7 @@ def empty_kv_cache(model: torch.nn.Module) -> torch.Tensor:
     return torch.zeros(2, model.num_layers, NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
 
 
-def reference_logits(hf_model: HFLlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
+def reference_logits(hf_model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return hf_model(torch.tensor([tokens])).logits[0].float()  # [n, vocab]
 
@@ -120,12 +124,12 @@ def assert_same_logits(actual: torch.Tensor, expected: torch.Tensor) -> None:
     {"num_key_value_heads": 4, "head_dim": 8},  # MHA, head_dim != hidden / heads
 ], ids=["gqa", "tied", "llama3_rope", "mha_head_dim"])
 def test_prefill_matches_transformers(tmp_path: Path, overrides: dict) -> None:
-    hf_model = save_llama(tmp_path, **overrides)
+    hf_model = save_model(tmp_path, **overrides)
     assert_same_logits(run_prefill(tmp_path, PROMPT), reference_logits(hf_model, PROMPT))
 
 
 def test_tied_checkpoint_has_no_lm_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    save_llama(tmp_path, tie_word_embeddings=True)
+    save_model(tmp_path, tie_word_embeddings=True)
     assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
     monkeypatch.setattr(linear, "choose_linear", lambda dtype, max_num_seqs: "column_major")
     model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
@@ -135,15 +139,16 @@ def test_tied_checkpoint_has_no_lm_head(tmp_path: Path, monkeypatch: pytest.Monk
 
 @pytest.mark.parametrize("layout", ["column_major", "packed", "row_major"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_linear_layout_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str,
-                                                  tied: bool) -> None:
-    """Whatever `choose_linear` picks for this CPU (forced here), the model holds the checkpoint's
-    weights in that layout and float32 logits equal transformers' for a prefill and a decode step.
-    Catches a layout silently lost (only the speed would drop), a packed weight transposed or a tied
-    lm_head packed from the wrong matrix."""
+                                                  tied: bool, family: str) -> None:
+    """For each family, whatever `choose_linear` picks for this CPU (forced here), the model holds the
+    checkpoint's weights in that layout and float32 logits equal transformers' for a prefill and a decode
+    step. Catches a layout silently lost (only the speed would drop), a packed weight transposed, a tied
+    lm_head packed from the wrong matrix, or a bias (Qwen2's q, k, v) dropped or stacked out of order."""
     if layout == "packed" and not linear.has_onednn(torch.float32):
         pytest.skip("oneDNN float32 is used (and measured) on x86 only")
-    hf_model = save_llama(tmp_path, tie_word_embeddings=tied)
+    hf_model = save_model(tmp_path, family=family, tie_word_embeddings=tied)
     monkeypatch.setattr(linear, "choose_linear", lambda dtype, max_num_seqs: layout)
     model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
     linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
@@ -192,7 +197,7 @@ def test_rope_equals_transformers_bit_for_bit(dtype: torch.dtype) -> None:
 
 def test_old_style_rope_scaling(tmp_path: Path) -> None:
     """Llama 3 checkpoints on the Hub write `rope_scaling` + `rope_theta`, not `rope_parameters`."""
-    hf_model = save_llama(tmp_path, rope_parameters=LLAMA3_ROPE)
+    hf_model = save_model(tmp_path, rope_parameters=LLAMA3_ROPE)
     config = json.loads((tmp_path / "config.json").read_text())
     rope = config.pop("rope_parameters")
     config["rope_theta"] = rope.pop("rope_theta")
@@ -202,14 +207,14 @@ def test_old_style_rope_scaling(tmp_path: Path) -> None:
 
 
 def test_sharded_checkpoint(tmp_path: Path) -> None:
-    hf_model = save_llama(tmp_path, max_shard_size="50KB")
+    hf_model = save_model(tmp_path, max_shard_size="50KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     assert_same_logits(run_prefill(tmp_path, PROMPT), reference_logits(hf_model, PROMPT))
 
 
 def test_logits_only_for_logits_indices(tmp_path: Path) -> None:
-    hf_model = save_llama(tmp_path)
+    hf_model = save_model(tmp_path)
     model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
     batch = make_batch([PROMPT])
     last_row = dataclasses.replace(batch, logits_indices=torch.tensor([len(PROMPT) - 1]))
@@ -221,7 +226,7 @@ def test_logits_only_for_logits_indices(tmp_path: Path) -> None:
 
 def test_batched_prefill_then_decode(tmp_path: Path) -> None:
     """Two requests in one prefill, then one decode step each reading the cache the prefill wrote."""
-    hf_model = save_llama(tmp_path, rope_parameters=LLAMA3_ROPE)
+    hf_model = save_model(tmp_path, rope_parameters=LLAMA3_ROPE)
     model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
     prompts = [PROMPT, [5, 6, 7, 8, 9]]
     kv_cache = empty_kv_cache(model)
@@ -235,18 +240,19 @@ def test_batched_prefill_then_decode(tmp_path: Path) -> None:
 
 
 def test_bfloat16_load(tmp_path: Path) -> None:
-    save_llama(tmp_path)
+    save_model(tmp_path)
     model = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert model.model.rotary.inv_freq.dtype == torch.float32  # RoPE angles stay float32
 
 
 @pytest.mark.skipif(not linear.has_onednn(torch.bfloat16), reason="oneDNN has no bfloat16 kernels on this CPU")
-def test_packed_linears_equal_nn_linear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_packed_linears_equal_nn_linear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str) -> None:
     """bfloat16 on CPU runs its matmuls through PackedLinear (pack_linears): the same logits, bit for
     bit, as the reference nn.Linear model, for a prefill and a decode step. Catches a packed weight
-    that is transposed, rounded or lost its tie to the embedding."""
-    save_llama(tmp_path, tie_word_embeddings=True)
+    that is transposed, rounded or lost its tie to the embedding, or a bias (Qwen2's) left out."""
+    save_model(tmp_path, family=family, tie_word_embeddings=True)
     packed = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
     monkeypatch.setattr(loader, "pack_linears", lambda model, max_num_seqs: model)  # the reference: plain nn.Linear
     plain = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
@@ -285,14 +291,56 @@ def test_not_a_llama(tmp_path: Path) -> None:
         load(tmp_path)
 
 
+def test_an_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> None:
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as error:
+        load(tmp_path)
+    assert all(name in str(error.value) for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"))
+
+
+def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path: Path) -> None:
+    """Attention here always sees the whole context: a Mistral whose window is shorter than its context
+    would differ from transformers' past the window. A window covering the context runs (as in the
+    layout test, Mistral's default 4096 over 128 positions)."""
+    save_model(tmp_path, family="mistral", sliding_window=32)
+    with pytest.raises(ValueError, match="sliding_window=32"):
+        load(tmp_path)
+
+
+def test_a_checkpoint_tensor_no_parameter_reads_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen2 registered as plain Llama (its q, k, v bias flag forgotten): the biases would be left unread and
+    every logit wrong. Catches a family whose row in MODELS misses a flag: the loader refuses, naming the tensor."""
+    save_model(tmp_path, family="qwen2")
+    monkeypatch.setitem(MODELS, "Qwen2ForCausalLM", LlamaForCausalLM)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.bias' has no parameter"):
+        load(tmp_path)
+
+
+def test_a_parameter_the_checkpoint_lacks_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama registered with Qwen2's bias flag: our q, k, v biases have no checkpoint tensor. Catches a
+    KeyError deep in the loader, or a bias left at whatever the meta device gave it."""
+    save_model(tmp_path)
+    monkeypatch.setitem(MODELS, "LlamaForCausalLM", partial(LlamaForCausalLM, qkv_bias=True))
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.0\.self_attn\.k_proj\.bias'"):
+        load(tmp_path)
+
+
+def test_head_dim_from_the_config_or_from_hidden_size_over_heads() -> None:
+    """Mistral's config gives head_dim (here not hidden / heads), Qwen2's has none: the runner sizes the KV
+    cache and picks the attention backend from the same head_dim the model is built with."""
+    sizes = dict(hidden_size=64, num_attention_heads=4)
+    assert get_head_dim(MistralConfig(**sizes, head_dim=8)) == 8
+    assert not hasattr(Qwen2Config(), "head_dim") and get_head_dim(Qwen2Config(**sizes)) == 16
+
+
 def test_unsupported_rope_type(tmp_path: Path) -> None:
-    save_llama(tmp_path, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+    save_model(tmp_path, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
     with pytest.raises(ValueError, match="'linear'"):
         load(tmp_path)
 
 
 def test_missing_tensor(tmp_path: Path) -> None:
-    save_llama(tmp_path)
+    save_model(tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
@@ -301,7 +349,7 @@ def test_missing_tensor(tmp_path: Path) -> None:
 
 
 def test_wrong_shape(tmp_path: Path) -> None:
-    save_llama(tmp_path)
+    save_model(tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
     tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 64)  # 1 kv head, not 2
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
@@ -318,7 +366,7 @@ def write_config(folder: Path, **fields: object) -> str:
 
 def test_auto_dtype_follows_the_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(device, "has_native_bf16", lambda batched=False: True)  # a CPU with AMX
+    monkeypatch.setattr(device, "why_not_native_bf16", lambda batched=False: None)  # a CPU with AMX
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # only resolved here, nothing runs on CUDA
     fp32 = write_config(tmp_path / "fp32", dtype="float32")
     bf16 = write_config(tmp_path / "bf16", dtype="bfloat16")
@@ -347,7 +395,7 @@ def test_auto_dtype_never_emulates_bfloat16(tmp_path, monkeypatch, caplog):
     """Without native bf16 matmuls "auto" runs a bfloat16 checkpoint in float32 and logs one line
     saying why; bfloat16 asked for by name obeys, with a warning. Catches "auto" picking an
     emulated dtype (2-5x slower at batch decode on an AVX2 CPU), or overruling an explicit name."""
-    monkeypatch.setattr(device, "has_native_bf16", lambda batched=False: False)
+    monkeypatch.setattr(device, "why_not_native_bf16", lambda batched=False: "an emulating CPU")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     bf16 = write_config(tmp_path / "bf16", dtype="bfloat16")
     cpu = torch.device("cpu")
@@ -377,6 +425,43 @@ def test_auto_dtype_keeps_bfloat16_on_a_cpu_only_where_it_beats_float32(tmp_path
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert resolve_dtype("bfloat16", cpu, bf16) == torch.bfloat16
+
+
+# CPUs without native (or without fast batched) bfloat16, as torch reports them: (machine, oneDNN built in,
+# oneDNN bf16 kernels, AVX512-BF16, AMX), and the cause the dtype warning must name.
+SLOW_BF16_CPUS = {
+    "torch without oneDNN": (("x86_64", False, False, True, True), "without oneDNN"),
+    "AVX2 x86": (("x86_64", True, False, False, False), "they need AVX-512"),
+    "Arm without BF16": (("aarch64", True, False, False, False), "Arm CPU has no BF16"),
+    "AVX-512 without BF16": (("x86_64", True, True, False, False), "no AVX512-BF16 nor AMX"),
+    "AVX512-BF16 without AMX": (("x86_64", True, True, True, False), "no AMX:"),
+}
+
+
+@pytest.mark.parametrize("cpu", SLOW_BF16_CPUS)
+def test_bfloat16_warning_names_its_cause(tmp_path, monkeypatch, caplog, cpu):
+    """Each CPU without fast bfloat16, forced: "auto" logs why it runs float32 and bfloat16 by name warns
+    why it is slow, naming this CPU's cause and no other's (AVX512-BF16 alone is native, only slower at
+    batch decode: no warning by name). Catches a message that names one cause for all ("no AMX" on Arm)."""
+    (machine, mkldnn, onednn_bf16, avx512_bf16, amx), cause = SLOW_BF16_CPUS[cpu]
+    monkeypatch.setattr(device.platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: mkldnn)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    bf16, cpu_device = write_config(tmp_path, dtype="bfloat16"), torch.device("cpu")
+    others = [other for name, (_, other) in SLOW_BF16_CPUS.items() if name != cpu]
+    assert resolve_dtype("auto", cpu_device, bf16) == torch.float32
+    [record] = caplog.records
+    assert cause in record.message and not any(other in record.message for other in others)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resolve_dtype("bfloat16", cpu_device, bf16) == torch.bfloat16
+    messages = [str(w.message) for w in caught]
+    if cpu == "AVX512-BF16 without AMX":
+        assert messages == []
+    else:
+        assert len(messages) == 1 and cause in messages[0] and not any(other in messages[0] for other in others)
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="oneDNN's ISA names are x86's")

@@ -1,9 +1,11 @@
 """Logprobs and n, against transformers: the prompt's and the output's logprobs are log_softmax of
 transformers' logits on the same weights (float32), whatever chunking, caching or preemption did;
 n completions of one prompt are the n seeded requests seed, seed + 1, ..."""
+from dataclasses import replace
+
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from conftest import greedy
 from nanoserve import LLM, SamplingParams
@@ -15,7 +17,7 @@ TOP = 3
 
 def hf_logprobs(path: str, token_ids: list[int]) -> torch.Tensor:
     """[len, vocab]: row p is the log-distribution transformers gives for the token after position p."""
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
 
@@ -56,6 +58,34 @@ def test_prompt_and_output_logprobs_equal_transformers(tiny_models, setup):
         for i, found in enumerate(output.outputs[0].logprobs):  # raw logits: not sharpened by temperature 1.7
             check_position(found, rows[len(output.prompt_token_ids) + i - 1], output.token_ids[i], TOP)
     assert outputs[2].prompt_logprobs is None and outputs[2].outputs[0].logprobs is None
+
+
+def test_output_logprobs_are_those_of_the_rows_that_asked(tiny_models):
+    """Two requests sample in every step, only the second asks for logprobs: they are its own row's.
+    Catches logprobs read from the first len(rows) sampling rows (the first request's numbers)."""
+    path = tiny_models["gqa"]
+    llm = LLM(path, block_size=4)
+    params = [greedy(6), SamplingParams(temperature=0, max_tokens=6, logprobs=TOP)]
+    silent, asking = llm.generate([PROMPTS[0], PROMPTS[2]], params, use_tqdm=False)
+    assert silent.outputs[0].logprobs is None and len(asking.outputs[0].logprobs) == 6
+    rows = hf_logprobs(path, asking.prompt_token_ids + asking.token_ids)
+    for i, found in enumerate(asking.outputs[0].logprobs):
+        check_position(found, rows[len(asking.prompt_token_ids) + i - 1], asking.token_ids[i], TOP)
+
+
+def test_unseeded_requests_draw_different_tokens(tiny_models):
+    """Unseeded sampled requests share the global generator: two of the same prompt, or n=2 of one
+    prompt, sample different tokens (16 tokens of a 256-token vocabulary at temperature 1: equal only
+    by a fluke, and the global seed is fixed, so never here). Catches `for_sample` seeding an unseeded
+    request with 0 + index, which makes every such request deterministic and equal to its twin."""
+    torch.manual_seed(0)
+    llm = LLM(tiny_models["gqa"], block_size=4)
+    params = SamplingParams(temperature=1.0, max_tokens=16)
+    twins = llm.generate([PROMPTS[1], PROMPTS[1]], params, use_tqdm=False)
+    assert twins[0].token_ids != twins[1].token_ids
+    siblings = llm.generate([PROMPTS[1]], replace(params, n=2), use_tqdm=False)[0].outputs
+    assert siblings[0].token_ids != siblings[1].token_ids
+    assert siblings[0].token_ids not in (twins[0].token_ids, twins[1].token_ids)
 
 
 def test_logprobs_zero_is_the_token_alone_and_greedy_tokens_rank_first(tiny_models):

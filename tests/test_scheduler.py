@@ -211,16 +211,27 @@ def test_a_preempted_request_goes_back_ahead_of_those_already_waiting_and_nothin
 
 
 def test_a_step_that_preempted_admits_no_one():
-    # new's 2 blocks come back when it is preempted; old takes one. new's next 2-token chunk would fit
-    # the other at once, only to be preempted again as old grows: the step must not admit it.
-    config = Config(model="unused", max_num_batched_tokens=3, enable_prefix_caching=False)
-    sched = Scheduler(config, 5, 2, max_model_len=8, eos_token_ids=set())
-    old = add(sched, [1, 2], max_tokens=6, request_id="old")
-    new = add(sched, [20, 21, 22, 23], max_tokens=4, request_id="new")
-    while sched.num_preemptions == 0:
-        scheduled = step(sched)
-    assert [s for s, _ in scheduled] == [old] and list(sched.waiting) == [new]
-    assert sched.block_manager.num_free_blocks == 1
+    """The rule "a step that preempted admits no one" on its own: here nothing else holds the victim
+    back. Catches the rule dropped (the victim readmitted in the step that preempted it)."""
+    # 3 usable blocks of 2 slots, 2 tokens a step. old (1 + 3 tokens) never holds more than 2 blocks;
+    # new's 2-token prompt runs one token a step beside old's, in 1 block. In step 3 old takes the last
+    # free block and new, needing a 2nd, is preempted: its block is free again. old then already holds
+    # all the KV it will ever write (blocks_to_keep_free is 0) and new's next 1-token chunk fits that
+    # block, but the step must not admit it.
+    config = Config(model="unused", max_num_batched_tokens=2, enable_prefix_caching=False)
+    sched = Scheduler(config, 4, 2, max_model_len=8, eos_token_ids=set())
+    old = add(sched, [1], max_tokens=3, request_id="old")
+    new = add(sched, [20, 21], max_tokens=2, request_id="new")
+    assert [[(s.request_id, n) for s, n in step(sched)] for _ in range(2)] == [[("old", 1), ("new", 1)]] * 2
+    assert sched.num_preemptions == 0 and sched.block_manager.num_free_blocks == 1
+    scheduled = sched.schedule()  # step 3
+    assert scheduled == [(old, 1)] and sched.num_preemptions == 1 and list(sched.waiting) == [new]
+    assert sched.block_manager.num_free_blocks == 1 and sched.blocks_to_keep_free() == 0  # only the rule held new
+    sched.assert_invariants(scheduled)
+    sched.update(scheduled, sampled([NEXT_TOKEN]))
+    while sched.has_unfinished():
+        step(sched)
+    assert old.output_token_ids == [NEXT_TOKEN] * 3 and new.output_token_ids == [NEXT_TOKEN] * 2
 
 
 def test_num_cached_tokens_counts_prompt_hits_at_first_admission_only():

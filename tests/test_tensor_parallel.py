@@ -45,11 +45,12 @@ def children_alive(pids: list[int]) -> list[int]:
     return alive
 
 
-@pytest.mark.parametrize("model", ["gqa", "tied"])
+@pytest.mark.parametrize("model", ["gqa", "tied", "qwen2"])
 def test_tp2_matches_tp1_and_transformers(tiny_models, model):
     """Catches a wrong split (q/k/v slices crossed, GQA heads paired with another rank's KV heads,
-    o_proj split on the wrong dim), a missing all-reduce, a vocab range off by one in the embedding
-    or lm_head gather, and tied embeddings sliced differently from lm_head."""
+    o_proj split on the wrong dim, Qwen2's q/k/v biases not split with their weights), a missing
+    all-reduce, a vocab range off by one in the embedding or lm_head gather, and tied embeddings sliced
+    differently from lm_head."""
     path = tiny_models[model]
     params = [greedy(n) for n in MAX_TOKENS]
     one = LLM(path, **PRESSURE).generate(PROMPTS, params, use_tqdm=False)
@@ -81,7 +82,7 @@ def test_each_rank_holds_only_its_shard(tiny_models, monkeypatch):
     parts = [qkv(h.model.layers[0].self_attn.qkv_proj.weight, q // 2, kv // 2) for h in halves]
     for i, full in enumerate((full_q, full_k, full_v)):
         assert torch.equal(torch.cat([p[i] for p in parts]), full)
-    for name, dim in (("self_attn.o_proj", 1), ("mlp.down_proj", 1)):
+    for name, dim in (("self_attn.o_proj", 1), ("mlp.down_proj", 1)):  # row-parallel: split on in_features
         full = whole.model.layers[1].get_submodule(name).weight
         assert torch.equal(torch.cat([h.model.layers[1].get_submodule(name).weight for h in halves], dim=dim), full)
     gate_up = [h.model.layers[1].mlp.gate_up_proj.weight.chunk(2) for h in halves]

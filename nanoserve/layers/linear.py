@@ -1,6 +1,6 @@
-"""Linear layers (y = x @ W.T, no bias in Llama): how each weight is stored and multiplied on this
-device. `pack_linears` is the one place that choice is made; the model is built from plain
-`nn.Linear`s, the reference formulation every other choice must equal.
+"""Linear layers (y = x @ W.T + b, b only where the checkpoint has one): how each weight is stored and
+multiplied on this device. `pack_linears` is the one place that choice is made; the model is built
+from plain `nn.Linear`s, the reference formulation every other choice must equal.
 
 Why the choice matters on a CPU: a decode step multiplies a few rows of activations by every weight
 matrix, and how fast the GEMM library does that depends on the weight's memory layout (measured
@@ -21,17 +21,19 @@ def column_major(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear without bias, its weight laid out once in oneDNN's own blocked format. The packed
-    weight is opaque (only this reads it) and a copy: a tied lm_head keeps the embedding matrix and
-    gets its own packed one. In bfloat16 the products equal nn.Linear's bit for bit; in float32 they
-    may round differently (another summation order), as any GEMM library's may."""
+    """nn.Linear, its weight laid out once in oneDNN's own blocked format (its bias, if any, kept as it
+    is: oneDNN adds it to the product). The packed weight is opaque (only this reads it) and a copy: a
+    tied lm_head keeps the embedding matrix and gets its own packed one. In bfloat16 the products equal
+    nn.Linear's bit for bit; in float32 they may round differently (another summation order), as any
+    GEMM library's may."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()))
+        self.bias = linear.bias  # [out] or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
 def choose_linear(dtype: torch.dtype, max_num_seqs: int) -> str:
@@ -48,13 +50,13 @@ def choose_linear(dtype: torch.dtype, max_num_seqs: int) -> str:
 
 
 def pack_linears(model: nn.Module, max_num_seqs: int) -> nn.Module:
-    """Give every bias-free nn.Linear of a loaded CPU model the implementation `choose_linear` picks for
-    its dtype and the engine's `max_num_seqs`. A float32 weight tied to the embedding stays row-major
-    rather than column-major: a column-major copy would be a second vocab x hidden matrix, and the
-    embedding's row lookups want rows."""
+    """Give every nn.Linear of a loaded CPU model the implementation `choose_linear` picks for its dtype and
+    the engine's `max_num_seqs`; a bias stays as loaded in every layout. A float32 weight tied to the
+    embedding stays row-major rather than column-major: a column-major copy would be a second vocab x
+    hidden matrix, and the embedding's row lookups want rows."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or module.bias is not None or module.weight.device.type != "cpu":
+        if not isinstance(module, nn.Linear) or module.weight.device.type != "cpu":
             continue
         layout = choose_linear(module.weight.dtype, max_num_seqs)
         if layout == "column_major" and id(module.weight) not in embeddings:

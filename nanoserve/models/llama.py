@@ -1,4 +1,5 @@
-"""Llama: the one model family nanoserve runs, assembled from layers/ and attention.py.
+"""Llama, assembled from layers/ and attention.py; the families that are its layers too run on it
+(models/__init__.py: Mistral as it is, Qwen2 with a bias on q, k and v).
 
 The model sees one step's `Batch`: every scheduled request's new tokens laid end to end, so there
 is no batch dimension anywhere, only N tokens. Each layer projects them to q, k, v, rotates q and k
@@ -13,8 +14,8 @@ Invariants:
   that does not sample now.
 - Layer i reads and writes only `kv_cache[0, i]` (keys) and `kv_cache[1, i]` (values).
 - q, k, v are one fused matmul (`qkv_proj`), gate and up another (`gate_up_proj`); the loader
-  (loader.py) stacks the checkpoint's separate tensors on the output dim as `CHECKPOINT_MODULES`
-  says, so the math is unchanged.
+  (loader.py) stacks the checkpoint's separate tensors (weights, and biases where there are any)
+  on the output dim as `CHECKPOINT_MODULES` says, so the math is unchanged.
 - With tensor parallelism (distributed.py) a model holds one rank's shard: 1/size of the heads, of the
   MLP units and of the vocabulary; `all_reduce` after o_proj and down_proj sums the ranks' parts.
 """
@@ -30,12 +31,15 @@ from nanoserve.batch import Batch
 from nanoserve.distributed import Shard, all_reduce, embed, gather_on_rank0
 from nanoserve.layers.layernorm import RMSNorm
 from nanoserve.layers.rotary_embedding import RotaryEmbedding, apply_rope
+from nanoserve.models import get_head_dim
 
 # How the checkpoint's modules become ours, one row per checkpoint module (Hugging Face's name):
 # (our module, the dim tensor parallelism splits its weight on). Several checkpoint modules naming
 # one of ours are stacked on the output dim (dim 0) in this order: qkv_proj is [q; k; v].
-# Split dim 0, the output rows: a rank holds its heads, hidden units or vocabulary range.
-# Split dim 1, the input columns: each rank's product is a partial sum, added up by all_reduce.
+# Split dim 0 of the `[out_features, in_features]` weight (column-parallel, distributed.py): a rank
+# holds its heads, hidden units or vocabulary range. Split dim 1 (row-parallel): each rank's product
+# is a partial sum, added up by all_reduce. A bias `[out_features]` (Qwen2's q, k, v: column-parallel
+# only, the loader refuses others) is stacked and split on dim 0 with its weight.
 # Modules not listed (the norms) keep their name and are whole on every rank.
 CHECKPOINT_MODULES = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 0), "v_proj": ("qkv_proj", 0),
@@ -46,10 +50,11 @@ CHECKPOINT_MODULES = {
 
 
 class LlamaAttention(nn.Module):
-    """Fused qkv projection, RoPE, paged attention (attention.py), output projection.
-    Split over `shard.size` ranks (distributed.py), each has its 1/size of the heads."""
+    """Fused qkv projection (with a bias where `qkv_bias`), RoPE, paged attention (attention.py), output
+    projection. Split over `shard.size` ranks (distributed.py), each has its 1/size of the heads."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, attention: AttentionBackend, shard: Shard):
+    def __init__(self, config: PretrainedConfig, head_dim: int, attention: AttentionBackend, shard: Shard,
+                 qkv_bias: bool):
         super().__init__()
         self.shard = shard
         self.num_heads = config.num_attention_heads // shard.size
@@ -57,7 +62,7 @@ class LlamaAttention(nn.Module):
         assert self.num_heads % self.num_kv_heads == 0, "query heads must split evenly over kv heads"
         self.head_dim = head_dim
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)  # this rank's heads in
         self.attention = attention  # the model's one backend, shared by every layer
 
@@ -90,10 +95,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int, attention: AttentionBackend, shard: Shard):
+    def __init__(self, config: PretrainedConfig, head_dim: int, attention: AttentionBackend, shard: Shard,
+                 qkv_bias: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, head_dim, attention, shard)
+        self.self_attn = LlamaAttention(config, head_dim, attention, shard, qkv_bias)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, shard)
 
@@ -106,13 +112,14 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm: HF's `model.*` half of the checkpoint."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, attention_backend: str, shard: Shard):
+    def __init__(self, config: PretrainedConfig, head_dim: int, attention_backend: str, shard: Shard,
+                 qkv_bias: bool):
         super().__init__()
         self.shard = shard
         self.embed_tokens = nn.Embedding(config.vocab_size // shard.size, config.hidden_size)  # a vocab range
         self.attention = BACKENDS[attention_backend](scale=head_dim ** -0.5)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, head_dim, self.attention, shard) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, head_dim, self.attention, shard, qkv_bias)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(head_dim, config.rope_parameters)
 
@@ -131,15 +138,20 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig, attention_backend: str, shard: Shard = Shard()):
+    """The model: `model.*` and `lm_head`, as the checkpoint names them. `qkv_bias`: q, k and v have a bias
+    (Qwen2's; Llama's have none)."""
+    checkpoint_modules = CHECKPOINT_MODULES  # how the checkpoint's modules become ours (loader.py reads it)
+
+    def __init__(self, config: PretrainedConfig, attention_backend: str, shard: Shard = Shard(),
+                 qkv_bias: bool = False):
         super().__init__()
         self.config = config
         self.shard = shard
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = get_head_dim(config)
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads // shard.size  # in this rank's KV cache
         self.vocab_size = config.vocab_size
-        self.model = LlamaModel(config, self.head_dim, attention_backend, shard)
+        self.model = LlamaModel(config, self.head_dim, attention_backend, shard, qkv_bias)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // shard.size, bias=False)  # a vocab range
 
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor | None:

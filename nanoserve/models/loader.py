@@ -1,79 +1,106 @@
-"""How a Hugging Face checkpoint (a folder of config.json and *.safetensors) becomes a Llama.
+"""How a Hugging Face checkpoint (a folder of config.json and *.safetensors) becomes a model: the class
+`MODELS` gives for the architecture its config.json names (how to add one: models/__init__.py).
 
 Invariants:
-- Every parameter comes from the checkpoint: the model is built on the meta device (no memory, no
-  random init) and `load_model` assigns real tensors, or raises a `ValueError` naming what is wrong
-  before anything is loaded (a missing file, tensor, or a wrong shape).
-- Checkpoint names map onto the model's parameters by one table, llama.py's `CHECKPOINT_MODULES`:
-  which checkpoint tensors stack into a fused parameter, and the dim tensor parallelism splits each
-  on. With tensor parallelism a rank reads only its slices, from disk.
+- Every parameter comes from the checkpoint, and every tensor transformers' model of the architecture
+  reads, ours reads too: the model is built on the meta device (no memory, no random init) and
+  `load_model` assigns real tensors, or raises a `ValueError` naming what is wrong before anything is
+  loaded (a missing file, tensor, a wrong shape, or a tensor no parameter of ours is made of).
+- Checkpoint names map onto the model's parameters by one table, the model's `checkpoint_modules`
+  (llama.py's `CHECKPOINT_MODULES`): which checkpoint tensors stack into a fused parameter, and the
+  dim tensor parallelism splits each on. With tensor parallelism a rank reads only its slices, from disk.
 - After loading, each linear layer gets the implementation this device runs fastest (layers/linear.py).
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
-import transformers
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from nanoserve.distributed import Shard
 from nanoserve.layers.linear import pack_linears
-from nanoserve.models.llama import CHECKPOINT_MODULES, LlamaForCausalLM
+from nanoserve.models.llama import LlamaForCausalLM
+
+# The class that runs each architecture a config.json may name (its `architectures`), as in vLLM's registry.
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,  # Llama's layers; a sliding window is refused (read_config)
+    "Qwen2ForCausalLM": partial(LlamaForCausalLM, qkv_bias=True),
+}
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_backend: str,
-               shard: Shard = Shard(), max_num_seqs: int = 256) -> LlamaForCausalLM:
-    """Build a Llama from a Hugging Face folder (config.json + *.safetensors) on `device` in `dtype`;
+               shard: Shard = Shard(), max_num_seqs: int = 256) -> nn.Module:
+    """Build the model of a Hugging Face folder (config.json + *.safetensors) on `device` in `dtype`;
     with tensor parallelism, only `shard`'s part of it: every tensor is sliced as it is read. Its
     linears suit decode steps of up to `max_num_seqs` rows (layers/linear.py)."""
     config = read_config(path)
     with torch.device("meta"):  # shapes only: every parameter is replaced by a checkpoint tensor
-        model = LlamaForCausalLM(config, attention_backend, shard)
+        model = model_class(config)(config, attention_backend, shard)
+    tied = config.tie_word_embeddings
+    parts = {name: checkpoint_parts(name, model.checkpoint_modules) for name, _ in model.named_parameters()
+             if not (name == "lm_head.weight" and tied)}
     files = index_checkpoint(Path(path))
-    check_shapes(files, config)
-    for name, _ in list(model.named_parameters()):
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
+    check_checkpoint(files, config, {part for param_parts in parts.values() for part, _ in param_parts})
+    for name, param_parts in parts.items():
         # A fused parameter stacks its checkpoint tensors on the output dim, e.g. q, k, v
-        tensor = torch.cat([read_tensor(files, part, dim, shard) for part, dim in checkpoint_parts(name)])
+        tensor = torch.cat([read_tensor(files, part, dim, shard) for part, dim in param_parts])
         module_name, _, leaf = name.rpartition(".")
         weight = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
         setattr(model.get_submodule(module_name), leaf, weight)
-    if config.tie_word_embeddings:  # tied: lm_head.weight is the embedding matrix, not a copy
+    if tied:  # lm_head.weight is the embedding matrix, not a copy
         model.lm_head.weight = model.model.embed_tokens.weight
     return pack_linears(model.to(device).eval(), max_num_seqs)  # .to moves the RoPE cache; parameters are already there
 
 
-def checkpoint_parts(param_name: str) -> list[tuple[str, int | None]]:
-    """Our parameter -> the checkpoint tensors it is made of, in order, each with its split dim:
-    "model.layers.0.self_attn.qkv_proj.weight" -> [("model.layers.0.self_attn.q_proj.weight", 0), (k...), (v...)]."""
+def checkpoint_parts(param_name: str, table: dict[str, tuple[str, int]]) -> list[tuple[str, int | None]]:
+    """Our parameter -> the checkpoint tensors it is made of, in order, each with its split dim, as the
+    model's `table` says (llama.py's CHECKPOINT_MODULES): "model.layers.0.self_attn.qkv_proj.weight" ->
+    [("model.layers.0.self_attn.q_proj.weight", 0), (k...), (v...)]; a bias likewise."""
     module_path, leaf = param_name.rsplit(".", 1)  # "model.layers.0.self_attn.qkv_proj", "weight"
     module = module_path.rpartition(".")[2]  # "qkv_proj"
     parent = module_path[:len(module_path) - len(module)]  # "model.layers.0.self_attn." ("" for lm_head)
-    parts = [(f"{parent}{theirs}.{leaf}", dim) for theirs, (ours, dim) in CHECKPOINT_MODULES.items() if ours == module]
+    parts = [(f"{parent}{theirs}.{leaf}", dim) for theirs, (ours, dim) in table.items() if ours == module]
     return parts or [(param_name, None)]  # not in the table (the norms): the same name, whole on every rank
 
 
 def read_config(path: str) -> PretrainedConfig:
-    """config.json, checked for what llama.py implements."""
+    """config.json, checked for an architecture in MODELS and for what its class implements. Only
+    attributes every family's config has are read as such; a family's own (Llama's attention_bias,
+    Mistral's sliding_window) are read where present."""
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"model folder {path!r} does not exist")
     if not (folder / "config.json").is_file():
         raise ValueError(f"model folder {path!r} has no config.json")
     config = AutoConfig.from_pretrained(path)
-    if config.model_type != "llama":
-        raise ValueError(f"unsupported model_type {config.model_type!r} (architectures "
-                         f"{getattr(config, 'architectures', None)}): nanoserve only runs Llama models")
-    if config.attention_bias or config.mlp_bias:
-        raise ValueError("attention_bias / mlp_bias are not supported (Llama checkpoints have none)")
+    model_class(config)  # raises for an architecture not in MODELS
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        raise ValueError("attention_bias / mlp_bias are not supported: of the linears, only q, k and v may "
+                         "have a bias (Qwen2's)")
     if config.hidden_act != "silu":
-        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: Llama uses 'silu'")
+        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: the MLP here is SwiGLU ('silu')")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < config.max_position_embeddings:
+        raise ValueError(f"sliding_window={window} is not supported: attention here always sees the whole "
+                         f"context, which differs once a request is longer than the window")
     return config
+
+
+def model_class(config: PretrainedConfig) -> Callable[..., nn.Module]:
+    """The class in MODELS for the config's architecture, or a ValueError naming the supported ones."""
+    architectures = getattr(config, "architectures", None) or []
+    for name in architectures:
+        if name in MODELS:
+            return MODELS[name]
+    raise ValueError(f"unsupported architectures {architectures} (model_type {config.model_type!r}): nanoserve "
+                     f"runs {', '.join(MODELS)}")
 
 
 def index_checkpoint(folder: Path) -> dict[str, Path]:
@@ -92,22 +119,28 @@ def index_checkpoint(folder: Path) -> dict[str, Path]:
     return names
 
 
-def check_shapes(files: dict[str, Path], config: PretrainedConfig) -> None:
-    """Fail before loading anything if a tensor is missing or has the wrong shape. Which tensors a Llama
-    checkpoint holds, and their shapes, is what transformers' own Llama holds, built on the meta device
-    (shapes only, no memory); a tied lm_head is not stored."""
+def check_checkpoint(files: dict[str, Path], config: PretrainedConfig, used: set[str]) -> None:
+    """Fail before loading anything if a tensor is missing or has the wrong shape, or if our model would
+    leave one unread (`used`: the checkpoint tensors its parameters are made of). Which tensors a
+    checkpoint holds, and their shapes, is what transformers' own model of its architecture holds, built
+    on the meta device (shapes only, no memory); a tied lm_head is not stored."""
     with torch.device("meta"):
-        reference = transformers.LlamaForCausalLM(config)
+        reference = AutoModelForCausalLM.from_config(config)
     for name, tensor in reference.state_dict().items():
         shape = tuple(tensor.shape)
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if name not in files:
             raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
+        if name not in used:  # e.g. a family with biases registered in MODELS without its flag
+            raise ValueError(f"checkpoint tensor {name!r} has no parameter of ours to load into")
         with safe_open(files[name], framework="pt") as f:
             found = f.get_slice(name).get_shape()
         if tuple(found) != shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {list(found)}, expected {list(shape)}")
+    missing = sorted(used - files.keys())  # e.g. a family without biases registered with a bias flag
+    if missing:
+        raise ValueError(f"checkpoint is missing tensor {missing[0]!r}, which our model reads")
 
 
 def read_tensor(files: dict[str, Path], name: str, dim: int | None, shard: Shard = Shard()) -> torch.Tensor:
