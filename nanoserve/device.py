@@ -84,7 +84,7 @@ def why_not_native_bf16(batched: bool = False) -> str | None:
     CPU without BF16 instructions) and, on x86, AVX512-BF16 or AMX does the products (plain AVX512
     converts each to float32 first). `batched`: and faster than float32 for a batch of decodes, which on
     x86 takes AMX: with AVX512-BF16 alone, 48 requests ran slower in bfloat16 than in float32 on both
-    CPUs measured (README, "Which CPU")."""
+    CPUs measured (docs/performance.md, "Which CPU")."""
     x86 = platform.machine().lower() in X86
     if not torch.backends.mkldnn.is_available():
         return "this torch is built without oneDNN"

@@ -10,11 +10,7 @@ import pytest
 import nanoserve
 from nanoserve import LLMEngine
 from nanoserve.config import Config
-
-try:
-    from nanoserve.entrypoints.openai.api_server import ServerThread, build_app
-except ImportError:
-    from nanoserve.serve import ServerThread, build_app
+from nanoserve.entrypoints.openai.api_server import ServerThread, build_app
 
 PROMPTS = ["It is a truth universally acknowledged", "Mr. Darcy looked at her, and", "Elizabeth"]
 ENGINE = dict(device="cpu", block_size=8, num_kvcache_blocks=25, max_model_len=128)

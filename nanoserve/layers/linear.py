@@ -4,7 +4,7 @@ from plain `nn.Linear`s, the reference formulation every other choice must equal
 
 Why the choice matters on a CPU: a decode step multiplies a few rows of activations by every weight
 matrix, and how fast the GEMM library does that depends on the weight's memory layout (measured
-figures: README, "Where a decode step's time goes").
+figures: docs/performance.md, "Where a decode step's time goes").
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class PackedLinear(nn.Module):
 
 def choose_linear(dtype: torch.dtype, max_num_seqs: int) -> str:
     """How this CPU multiplies a `dtype` weight fastest at the engine's shapes, decided from what the CPU
-    and torch support (measured figures: README, "Which CPU"):
+    and torch support (measured figures: docs/performance.md, "Which CPU"):
       * "packed" (PackedLinear): bfloat16 where oneDNN has bf16 kernels; float32 on x86, where oneDNN took
         0.45-0.7x MKL's time at decode batches of 8-48 rows and ~0.8x at prefill, on AVX-512 and AVX2
         CPUs alike, but 1.2x at one row: so not when `max_num_seqs` is 1 (every decode step one row);
