@@ -9,7 +9,7 @@ import openai
 import pytest
 import torch
 from test_serve import KEY, NAME, PROMPTS, events, model_path, offline, post, start_server  # noqa: F401 (fixtures)
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from nanoserve import LLMEngine, SamplingParams
 from nanoserve.config import Config
@@ -36,7 +36,7 @@ def tokenizer(offline):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def hf(model_path):  # noqa: F811
-    return LlamaForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
 
 
 def hf_rows(hf, token_ids: list[int]) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from nanoserve.benchmarks.workload import Step
 from nanoserve.device import has_onednn
+from nanoserve.models import get_head_dim
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class ModelShape:
     def read(cls, path: str, dtype: torch.dtype) -> ModelShape:
         from transformers import AutoConfig
         c = AutoConfig.from_pretrained(path)
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        head_dim = get_head_dim(c)
         return cls(c.num_hidden_layers, c.hidden_size, c.num_attention_heads * head_dim,
                    c.num_key_value_heads * head_dim, c.intermediate_size, c.vocab_size, dtype.itemsize)
 
