@@ -63,3 +63,26 @@ def test_a_port_out_of_range_is_one_line(port, monkeypatch, capsys):
         api_server.main([nanoserve.DEFAULT_MODEL, "--port", port])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and "--port" in err, err
+
+
+# --- The small ones ------------------------------------------------------------------------------
+
+# Catches: an empty prompt refused alone ({"prompt": ""}) but taken in a list (["", "a"] was a 200), and
+# an empty token-id list in a list of them.
+@pytest.mark.parametrize("prompt, index", [(["", "a"], 0), (["a", ""], 1), ([[5, 6], []], 1)])
+def test_an_empty_prompt_in_a_list_is_refused(server, prompt, index):
+    reply = post(server, "/v1/completions", dict(prompt=prompt, max_tokens=1))
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "prompt" and f"prompt {index} is empty" in reply.json()["error"]["message"]
+
+
+# Catches: a stream with echo whose text_offset changes frame: the prompt's offsets counted in token
+# strings ("<s>" and all), the next chunk's from the text sent (shorter), so offsets went backwards, and
+# a held-back chunk's offsets repeated; the stream's offsets end to end must be the whole response's.
+@pytest.mark.parametrize("prompt", [PROMPTS[0], [1, 450, 338]])  # a string; token ids with <s>, echoed as text
+def test_streamed_text_offset_is_the_whole_responses(server, prompt):
+    body = dict(model=NAME, prompt=prompt, echo=True, logprobs=1, max_tokens=8, temperature=0)
+    whole = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]["text_offset"]
+    chunks = [event["choices"][0] for event in events(server, {**body, "stream": True})[:-1]]
+    streamed = [x for c in chunks for x in c["logprobs"]["text_offset"]]
+    assert streamed == whole and streamed == sorted(streamed)
