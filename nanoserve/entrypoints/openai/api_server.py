@@ -75,11 +75,14 @@ async def tokenize_text(request: Request) -> Response:
     if body.messages is not None:
         serving.check_chat_template()
         messages = template_messages(body.messages)
+        serving.check_request_bytes([m["content"] for m in messages], "messages")
 
         def prepare() -> list[int]:
             text = serving.render_chat(messages, body.add_generation_prompt)
             return serving.tokenize(text, "messages", given(body.add_special_tokens, False), bounded=False)
     else:
+        serving.check_request_bytes([body.prompt], "prompt")
+
         def prepare() -> list[int]:
             return serving.tokenize(body.prompt, "prompt", given(body.add_special_tokens, True), bounded=False)
     token_ids = await serving.in_tokenizer_thread(prepare)
@@ -90,9 +93,15 @@ async def tokenize_text(request: Request) -> Response:
 
 
 async def detokenize_tokens(request: Request) -> Response:
-    """vLLM's /detokenize: {"prompt": the tokens' text}."""
+    """vLLM's /detokenize: {"prompt": the tokens' text}. The tokens are counted before the body is
+    checked: validating 1.6 million ids alone held the event loop for a second."""
     serving: Serving = request.app.state.serving
-    body = parse(DetokenizeBody, await read_json(request, serving.limits.max_body_bytes))
+    raw = await read_json(request, serving.limits.max_body_bytes)
+    limit = max(serving.limits.max_detokenize_tokens, serving.max_model_len)
+    if isinstance(raw.get("tokens"), list) and len(raw["tokens"]) > limit:
+        raise APIError(f"tokens has {len(raw['tokens'])} ids, more than this server decodes at once ({limit})",
+                       param="tokens")
+    body = parse(DetokenizeBody, raw)
     serving.check_model(body.model)
     tokenizer = serving.tokenizer
     if tokenizer is None:

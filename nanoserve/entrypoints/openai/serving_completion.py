@@ -132,6 +132,7 @@ async def create_completion(request: Request) -> Response:
     serving: Serving = request.app.state.serving
     body = parse(CompletionBody, await read_json(request, serving.limits.max_body_bytes))
     prompts = prompt_list(body.prompt)
+    serving.check_request_bytes([p for p in prompts if isinstance(p, str)], "prompt")
 
     def prepare() -> list[Prompt]:  # token ids are checked by add_request
         return [Prompt(p, serving.decode(p) if body.echo else None) if isinstance(p, list)

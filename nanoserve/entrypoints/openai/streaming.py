@@ -99,7 +99,6 @@ async def generate_response(serving: Serving, request: Request, api: API, body: 
 async def whole_response(generation: Generation, api: Formatter, head: dict) -> JSONResponse:
     outputs = {index: result async for index, result in generation.results() if isinstance(result, RequestOutput)}
     shown = {index: api.show(index, outputs[index]) for index in sorted(outputs)}
-    await api.strings.learn(set().union(*(s.named_tokens() for s in shown.values())))
     choices = [api.choice(index, s) for index, s in shown.items()]
     return JSONResponse({**head, "choices": choices, "usage": api.usage(list(outputs.values()))})
 
@@ -119,7 +118,6 @@ async def event_stream(generation: Generation, api: Formatter, head: dict,
                 continue
             shown = api.show(index, result)
             if shown.text or shown.finish_reason or shown.text is None or shown.logprobs is not None:  # "": held back
-                await api.strings.learn(shown.named_tokens())
                 yield sse({**head, "choices": [api.chunk_choice(index, shown)]})
         if include_usage:
             yield sse({**head, "choices": [], "usage": api.usage(outputs)})
