@@ -1,6 +1,7 @@
 """The server under hostile load (nanoserve/entrypoints/openai/): every connection answers at once
 (TCP_NODELAY), no request holds the tokenizer thread or the event loop for long, and the small
 promises (one-line option errors, empty prompts refused, text_offset one frame) hold."""
+import asyncio
 import socket
 import statistics
 import threading
@@ -149,3 +150,25 @@ def test_token_strings_never_use_the_tokenizer_thread(model_path, monkeypatch): 
         assert not any(name.startswith("nanoserve-tokenizer") for name in threads), threads
     finally:
         server.stop()
+
+
+# --- Nothing big on the event loop ---------------------------------------------------------------
+
+# Catches: a whole response built and serialized in one go on the event loop (128 choices with 20
+# logprobs each, 46 MB, froze every stream and /health for 4.85 s). A callback scheduled while the
+# first choice is built must run before the last one is: the loop serves others between choices.
+def test_a_whole_response_yields_to_the_event_loop_between_choices(server, monkeypatch):
+    from nanoserve.entrypoints.openai.serving_completion import CompletionAPI
+    choice, ran, seen = CompletionAPI.choice, threading.Event(), []
+
+    def watched_choice(self, index, shown):
+        if not seen:
+            asyncio.get_running_loop().call_soon(ran.set)
+        seen.append(ran.is_set())
+        return choice(self, index, shown)
+    monkeypatch.setattr(CompletionAPI, "choice", watched_choice)
+    body = dict(model=NAME, prompt=PROMPTS[:2], n=3, logprobs=2, max_tokens=4, temperature=1.0, seed=1)
+    reply = post(server, "/v1/completions", body)
+    assert reply.status_code == 200 and [c["index"] for c in reply.json()["choices"]] == list(range(6))
+    assert reply.json()["usage"]["completion_tokens"] == 24
+    assert len(seen) == 6 and seen[-1], seen
