@@ -5,7 +5,7 @@
 Starts `python -m nanoserve.serve MODEL` on 127.0.0.1 (from --tree, default this checkout), then for
 each attack below probes GET /health every 10 ms on its own connection while the attack runs: the
 longest probe is how long the server answered no one (every stream and /health freeze with it: the
-event loop busy, or the engine thread holding the GIL).
+event loop busy, or another thread (engine, tokenizer) holding the GIL).
 Last, the median of 20 kept-alive completions with max_tokens 1, against 20 each on a new connection.
 Every loop is bounded; nothing listens past 127.0.0.1. The figures are in docs/serving.md.
 """
