@@ -75,11 +75,14 @@ async def tokenize_text(request: Request) -> Response:
     if body.messages is not None:
         serving.check_chat_template()
         messages = template_messages(body.messages)
+        serving.check_request_bytes([m["content"] for m in messages], "messages")
 
         def prepare() -> list[int]:
             text = serving.render_chat(messages, body.add_generation_prompt)
             return serving.tokenize(text, "messages", given(body.add_special_tokens, False), bounded=False)
     else:
+        serving.check_request_bytes([body.prompt], "prompt")
+
         def prepare() -> list[int]:
             return serving.tokenize(body.prompt, "prompt", given(body.add_special_tokens, True), bounded=False)
     token_ids = await serving.in_tokenizer_thread(prepare)
@@ -90,9 +93,15 @@ async def tokenize_text(request: Request) -> Response:
 
 
 async def detokenize_tokens(request: Request) -> Response:
-    """vLLM's /detokenize: {"prompt": the tokens' text}."""
+    """vLLM's /detokenize: {"prompt": the tokens' text}. The tokens are counted before the body is
+    checked: validating 1.6 million ids alone held the event loop for a second."""
     serving: Serving = request.app.state.serving
-    body = parse(DetokenizeBody, await read_json(request, serving.limits.max_body_bytes))
+    raw = await read_json(request, serving.limits.max_body_bytes)
+    limit = max(serving.limits.max_detokenize_tokens, serving.max_model_len)
+    if isinstance(raw.get("tokens"), list) and len(raw["tokens"]) > limit:
+        raise APIError(f"tokens has {len(raw['tokens'])} ids, more than this server decodes at once ({limit})",
+                       param="tokens")
+    body = parse(DetokenizeBody, raw)
     serving.check_model(body.model)
     tokenizer = serving.tokenizer
     if tokenizer is None:
@@ -199,7 +208,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
 class HTTPProtocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline for each request's head (request line and headers): a
     client that connects and sends its head slowly, or never, is cut off after `header_timeout`
-    seconds instead of holding a connection for good."""
+    seconds instead of holding a connection for good; and with TCP_NODELAY on every connection."""
 
     def __init__(self, *args: object, header_timeout: float, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
@@ -207,6 +216,7 @@ class HTTPProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
+        set_nodelay(transport)
         self.start_head_timer()
 
     def on_response_complete(self) -> None:
@@ -223,6 +233,15 @@ class HTTPProtocol(H11Protocol):
             self.transport.close()
 
 
+def set_nodelay(transport: asyncio.Transport) -> None:
+    """TCP_NODELAY on a connection: a response goes out at once instead of waiting ~40 ms, Nagle's
+    algorithm holding its last small segment until the client's delayed ACK of the one before.
+    asyncio sets it only on sockets created with proto IPPROTO_TCP, which `bind`'s (proto 0) is not."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):  # not a Unix socket
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 def uvicorn_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, header_timeout: float = HEADER_TIMEOUT,
                    log_level: str = "warning") -> uvicorn.Server:
     http = functools.partial(HTTPProtocol, header_timeout=header_timeout)
@@ -230,12 +249,14 @@ def uvicorn_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, header_
 
 
 class ServerThread:
-    """Run an app under uvicorn in a background thread (tests, notebooks); `port=0` picks a free one."""
+    """Run an app under uvicorn in a background thread (tests, notebooks); `port=0` picks a free one.
+    It listens on a socket made by `bind`, as `main` does, so that tests serve as the command line does."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
                  header_timeout: float = HEADER_TIMEOUT) -> None:
         self.server = uvicorn_server(app, host, port, header_timeout)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.sock = bind(host, port)
+        self.thread = threading.Thread(target=self.server.run, kwargs=dict(sockets=[self.sock]), daemon=True)
 
     def start(self) -> ServerThread:
         self.thread.start()
@@ -247,8 +268,8 @@ class ServerThread:
 
     @property
     def url(self) -> str:
-        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        return f"http://{host}:{port}"
+        host, port = self.sock.getsockname()[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     @property
     def serving(self) -> Serving:
@@ -259,11 +280,19 @@ class ServerThread:
         self.thread.join()
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535: past it, argparse's one line instead of bind's OverflowError."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise ValueError
+    return port
+
+
 def build_parser(prog: str) -> OneLineParser:
     parser = OneLineParser(prog=prog, description="nanoserve's OpenAI-compatible server")
     parser.add_argument("model")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--served-model-name", default=None, help="default: the model path")
     parser.add_argument("--max-num-queued-requests", type=positive(int), default=None,

@@ -33,6 +33,10 @@ class Limits:
     # Completions (prompts x n) in flight: tokenizing, waiting or running in the engine, not only queued; more: 429.
     max_num_queued_requests: int | None = None
     max_n: int = 128                               # completions of one prompt (n): OpenAI's limit
+    # Bytes of text in one request's prompts or messages together (at least what one prompt may hold),
+    # and token ids in one /detokenize (at least max_model_len): a bound on one request's tokenizer time.
+    max_request_prompt_bytes: int = 2**20
+    max_detokenize_tokens: int = 2**16
 
 
 # --- Errors -------------------------------------------------------------------------------------

@@ -85,6 +85,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = parse(ChatBody, await read_json(request, serving.limits.max_body_bytes))
     serving.check_chat_template()
     messages = template_messages(body.messages)
+    serving.check_request_bytes([m["content"] for m in messages], "messages")
 
     def prepare() -> list[Prompt]:  # as LLM.chat: the template wrote the special tokens (<s>)
         return [Prompt(serving.tokenize(serving.render_chat(messages), "messages", add_special_tokens=False))]

@@ -37,7 +37,9 @@ class CompletionAPI(Formatter):
         self.echo, self.echo_only = bool(body.echo), bool(body.echo) and body.max_tokens == 0
         self.num_top, self.show_prompt_logprobs = body.logprobs, body.prompt_logprobs is not None
         self.echoed: set[int] = set()                          # choices whose prompt was shown
-        self.num_chars: dict[int, int] = collections.Counter()  # a streamed choice's text so far
+        # A streamed choice's text_offset so far: the length of its token strings sent, as the whole
+        # response counts them (not its text's length: "<s>" is a token string, not text).
+        self.num_chars: dict[int, int] = collections.Counter()
 
     @staticmethod
     def max_tokens(body: CompletionBody) -> int:
@@ -89,7 +91,8 @@ class CompletionAPI(Formatter):
 
     def chunk_choice(self, index: int, shown: Shown) -> dict:
         logprobs = self.logprobs_object(shown, self.num_chars[index])
-        self.num_chars[index] += len(shown.text or "")
+        if logprobs is not None:
+            self.num_chars[index] += sum(map(len, logprobs["tokens"]))
         return dict(index=index, **text_or_token_ids(shown.text, shown.token_ids), logprobs=logprobs,
                     finish_reason=shown.finish_reason)
 
@@ -98,7 +101,7 @@ class CompletionAPI(Formatter):
         top_logprobs {string: logprob} (the token's own, then the num_top most likely: num_top or
         num_top + 1 entries; tokens whose strings coincide share an entry), None for a prompt's first
         token; text_offset: where its string starts after the strings before it, from `offset` (the
-        text a stream sent before)."""
+        token strings a stream sent before: its chunks' offsets, end to end, are the whole response's)."""
         if shown.logprobs is None:
             return None
         tokens = [self.strings[t] for t in shown.token_ids]
@@ -114,10 +117,14 @@ class CompletionAPI(Formatter):
 
 
 def prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
-    """One prompt (a string or a list of token ids) or a list of them -> a list of prompts."""
+    """One prompt (a string or a list of token ids) or a list of them -> a list of prompts; none empty."""
     if not prompt:
         raise APIError("prompt is empty", param="prompt")
-    return [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+    prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+    empty = next((i for i, p in enumerate(prompts) if not p), None)
+    if empty is not None:
+        raise APIError(f"prompt {empty} is empty", param="prompt")
+    return prompts
 
 
 async def create_completion(request: Request) -> Response:
@@ -125,6 +132,7 @@ async def create_completion(request: Request) -> Response:
     serving: Serving = request.app.state.serving
     body = parse(CompletionBody, await read_json(request, serving.limits.max_body_bytes))
     prompts = prompt_list(body.prompt)
+    serving.check_request_bytes([p for p in prompts if isinstance(p, str)], "prompt")
 
     def prepare() -> list[Prompt]:  # token ids are checked by add_request
         return [Prompt(p, serving.decode(p) if body.echo else None) if isinstance(p, list)
