@@ -2,12 +2,13 @@
 streams equals LLM.generate offline, requests run together, and an abort frees the KV cache."""
 import asyncio
 import contextlib
+import time
 
 import pytest
 
 import nanoserve
 from nanoserve import LLM, LLMEngine, RequestDelta, RequestOutput, SamplingParams
-from nanoserve.async_llm import AsyncLLM, StatLogger
+from nanoserve.async_llm import AsyncLLM, EngineGenerateError, StatLogger
 from nanoserve.config import Config
 
 ENGINE = dict(device="cpu", block_size=8, num_kvcache_blocks=25, max_model_len=128)
@@ -121,3 +122,33 @@ def test_abort_mid_stream_frees_every_block():
     assert [(o.request_id, o.finish_reason) for o in log.finished] == [("aborted", "abort"), ("left", "abort")]
     assert len(log.finished[1].token_ids) < 100
     assert engine.stats()["num_free_blocks"] == free_at_start and not engine.requests  # the thread has stopped
+
+
+def test_a_failed_step_aborts_its_requests_in_the_engine():
+    """Catches: an engine loop that, after a failed step, fails its requests' streams but forgets to
+    abort them in the engine: they run on (tokens nobody reads, KV blocks held) after their clients
+    got an error."""
+    engine = new_engine()
+    free_at_start = engine.stats()["num_free_blocks"]
+    step, num_steps = engine.step, []
+
+    def fail_on_the_third_step():  # by then the request runs and holds blocks
+        num_steps.append(1)
+        if len(num_steps) == 3:
+            raise RuntimeError("a device failure")
+        if len(num_steps) > 3:  # only a forgotten request steps on: slowly, so it is still there at shutdown
+            time.sleep(0.05)
+        return step()
+    engine.step = fail_on_the_third_step
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+
+    async def run() -> None:
+        async with AsyncLLM(engine) as llm:
+            stream = llm.stream()  # never closed: its abort on close would hide a loop that forgot its requests
+            await stream.submit([("failed", prompt, SamplingParams(max_tokens=100, ignore_eos=True))])
+            with pytest.raises(EngineGenerateError, match="a device failure"):
+                async for _ in stream:
+                    pass
+    asyncio.run(run())  # the loop has stopped: what it left in the engine stays there
+    assert not engine.requests
+    assert engine.stats()["num_free_blocks"] == free_at_start
