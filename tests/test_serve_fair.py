@@ -96,9 +96,10 @@ def test_a_client_that_does_not_read_holds_no_slots_once_the_engine_is_done(mode
     # (a client that never read pinned its slots: every other client got 429 for 120 s), and no write
     # timeout (its connection held for as long as it liked).
     server = start_server(model_path, max_num_seqs=2)  # at most 8 in flight: BIG_STREAM's n=8 takes them all
-    serving = server.serving
+    serving, sockets = server.serving, []
     try:
-        unread = open_unread_stream(server, BIG_STREAM)  # write_timeout 30 s: the engine finishes long before
+        unread = open_unread_stream(server, BIG_STREAM)
+        sockets.append(unread)  # write_timeout 30 s: the engine finishes long before
         assert wait_until(lambda: serving.num_in_flight == 8)
         assert wait_until(lambda: serving.num_in_flight == 0)  # the engine finished: its slots are back ...
         assert "whose client took nothing" not in caplog.text  # ... not because the stream gave up
@@ -108,6 +109,7 @@ def test_a_client_that_does_not_read_holds_no_slots_once_the_engine_is_done(mode
         serving.limits = replace(serving.limits, write_timeout=0.5)
         with caplog.at_level(logging.WARNING):
             unread = open_unread_stream(server, BIG_STREAM)
+            sockets.append(unread)
             assert wait_until(lambda: "whose client took nothing for 0.5 s" in caplog.text)
         received = b""
         while chunk := unread.recv(65536):  # what the buffers held, then the end: the server closed it
@@ -116,4 +118,6 @@ def test_a_client_that_does_not_read_holds_no_slots_once_the_engine_is_done(mode
         unread.close()
         assert wait_until(lambda: serving.num_in_flight == 0 and not serving.async_llm.engine.requests)
     finally:
+        for sock in sockets:  # else stop() waits for them
+            sock.close()
         server.stop()
