@@ -9,19 +9,23 @@ Every other thread talks to it through its `inbox`, a queue.Queue and the only w
 
     callers' event loops                               the engine thread (EngineLoop)
     --------------------                               ------------------------------
-    RequestStream.submit  -- Submit --+                +-> engine.add_request: Accepted | Failed
-    abort, stream.close   -- Abort  --+--> inbox ------+-> engine.abort_request: its RequestOutput
+    RequestStream.submit  -- Submit --+                +-> FairQueue -> engine.add_request: Accepted | Failed
+    abort, stream.close   -- Abort  --+--> inbox ------+-> engine.abort_request (or FairQueue.remove): its RequestOutput
     shutdown              -- Stop   --+                +-> return
                                                            engine.step(): RequestDeltas, RequestOutputs
     RequestStream <-- ReplyQueue (asyncio.Queue, written with call_soon_threadsafe) <--+
 
-Between two steps the loop takes every message in the inbox, then steps the engine and sends each
-request's results to the ReplyQueue it came with: `Accepted` or `Failed` first, then its
-RequestDeltas, then its RequestOutput. Idle, it blocks on the inbox. A stream closed before its
-requests finish (its reader left: a client disconnected, a task was cancelled) sends an Abort, so
-their KV blocks are free before the next step. A step that raises fails the requests it ran
-(EngineGenerateError) and the loop serves the next ones; if the loop itself dies, every request
-fails at once (EngineDeadError) instead of hanging, and `AsyncLLM.error` says why.
+Between two steps the loop takes every message in the inbox, hands the engine the submitted requests
+its next step could run (`admit`: round-robin across streams, so that one stream's 128,000 requests
+do not delay another stream's first token), then steps the engine and sends each request's results
+to the ReplyQueue it came with: `Accepted` or `Failed` first, then its RequestDeltas, then its
+RequestOutput. Every submitted request gets exactly one final reply, its RequestOutput or a Failed,
+unless the loop is stopped first. Idle, it blocks on the inbox. A stream closed before its requests
+finish (its reader left: a client disconnected, a task was cancelled) sends an Abort, so their KV
+blocks are free before the next step. A step that raises fails the requests it ran
+(EngineGenerateError), aborts them in the engine, and the loop serves the next ones; if the loop
+itself dies, every request fails at once (EngineDeadError) instead of hanging, and `AsyncLLM.error`
+says why.
 
 A `StatLogger` (the server's Prometheus metrics) hears on the engine thread of each request added,
 step run and request finished, before the request's reader does. The HTTP server adds handlers
@@ -35,11 +39,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from nanoserve.engine import LLMEngine
-from nanoserve.outputs import RequestDelta, RequestOutput, StepResult
+from nanoserve.outputs import CompletionOutput, RequestDelta, RequestOutput, StepResult
 from nanoserve.sampler import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -74,14 +79,22 @@ class StatLogger:
 # --- Messages between the threads ----------------------------------------------------------------
 
 class ReplyQueue:
-    """One RequestStream's replies: written from the engine thread, read on the reader's event loop."""
+    """One RequestStream's replies: written from the engine thread, read on the reader's event loop.
+    `on_finished(request_id)` runs on that loop as each request's final reply (its RequestOutput or a
+    Failed) arrives, whether or not anyone reads it: a server frees the request's slot then."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_finished: Callable[[str], None] | None = None) -> None:
         self.loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
+        self.on_finished = on_finished
 
     def put(self, reply: Reply) -> None:  # from any thread
         with contextlib.suppress(RuntimeError):  # the reader's event loop has closed: no one is left to read
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, reply)
+            self.loop.call_soon_threadsafe(self.deliver, reply)
+
+    def deliver(self, reply: Reply) -> None:  # on the reader's event loop
+        self.queue.put_nowait(reply)
+        if self.on_finished is not None and isinstance(reply, RequestOutput | Failed):
+            self.on_finished(reply.request_id)
 
     async def get(self) -> Reply:
         return await self.queue.get()
@@ -126,6 +139,54 @@ Reply = Accepted | Failed | RequestDelta | RequestOutput
 
 # --- The engine thread ---------------------------------------------------------------------------
 
+class FairQueue:
+    """Requests submitted but not yet handed to the engine: one FIFO per stream (a server's HTTP
+    request), taken round-robin across streams. The engine's own waiting queue is first come, first
+    served, so handing it a 1,000 x n=128 fan-out at once would put 128,000 requests before the next
+    client's one; taking turns, that client waits for one request of each other stream at most.
+    Every operation is O(1) (ordered dicts), so a storm of aborts costs microseconds each."""
+
+    def __init__(self) -> None:
+        self.streams: OrderedDict[ReplyQueue, OrderedDict[str, Submit]] = OrderedDict()  # in turn order
+        self.stream_of: dict[str, ReplyQueue] = {}  # request id -> its stream (its ReplyQueue)
+
+    def __len__(self) -> int:
+        return len(self.stream_of)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.stream_of
+
+    def add(self, submit: Submit) -> None:
+        """A stream new to the queue takes its turn after the streams already there."""
+        self.streams.setdefault(submit.replies, OrderedDict())[submit.request_id] = submit
+        self.stream_of[submit.request_id] = submit.replies
+
+    def remove(self, request_id: str) -> Submit:
+        replies = self.stream_of.pop(request_id)
+        requests = self.streams[replies]
+        submit = requests.pop(request_id)
+        if not requests:
+            del self.streams[replies]
+        return submit
+
+    def pop_next(self) -> Submit:
+        """The oldest request of the stream whose turn it is; that stream's next turn comes after every other's."""
+        replies, requests = next(iter(self.streams.items()))
+        _, submit = requests.popitem(last=False)
+        del self.stream_of[submit.request_id]
+        if requests:
+            self.streams.move_to_end(replies)
+        else:
+            del self.streams[replies]
+        return submit
+
+    def take_all(self) -> list[Submit]:
+        submits = [submit for requests in self.streams.values() for submit in requests.values()]
+        self.streams.clear()
+        self.stream_of.clear()
+        return submits
+
+
 class EngineLoop:
     """The one thread that owns the engine. Its methods run on that thread, once `thread` started."""
 
@@ -133,6 +194,8 @@ class EngineLoop:
         self.engine, self.stat_logger = engine, stat_logger
         self.inbox: queue.Queue[Message] = queue.Queue()
         self.replies: dict[str, ReplyQueue] = {}  # unfinished engine requests -> where their results go
+        self.pending = FairQueue()                 # submitted, not yet handed to the engine
+        self.max_num_seqs = engine.config.max_num_seqs
         self.error: BaseException | None = None    # why the loop died, if it did
         self.thread = threading.Thread(target=self.run, name="nanoserve-engine", daemon=True)
 
@@ -143,6 +206,8 @@ class EngineLoop:
             logger.exception("the engine loop died: every request fails")
             self.error = error
             self.fail_all(EngineDeadError(f"the engine loop died: {error!r}"))
+            for submit in self.pending.take_all():
+                submit.replies.put(Failed(submit.request_id, EngineDeadError(f"the engine loop died: {error!r}")))
             self.refuse_until_stopped()
 
     def serve(self) -> None:
@@ -150,41 +215,72 @@ class EngineLoop:
             for message in self.take_messages():
                 if isinstance(message, Stop):
                     return
-                self.add(message) if isinstance(message, Submit) else self.abort(message.request_id)
+                self.pending.add(message) if isinstance(message, Submit) else self.abort(message.request_id)
+            self.admit()
             if self.engine.has_unfinished_requests():
                 self.step()
             else:  # an abort may have emptied the engine: show its blocks free now
-                self.stat_logger.record_engine(self.engine.stats())
+                self.stat_logger.record_engine(self.stats())
 
     def take_messages(self) -> list[Message]:
         """Idle: wait for a message. Busy: take only those already there, and step on."""
-        messages = [] if self.engine.has_unfinished_requests() else [self.inbox.get()]
+        busy = self.engine.has_unfinished_requests() or len(self.pending) > 0
+        messages = [] if busy else [self.inbox.get()]
         while not self.inbox.empty():
             messages.append(self.inbox.get_nowait())
         return messages
 
-    def add(self, submit: Submit) -> None:
+    def admit(self) -> None:
+        """Hand the engine pending requests, taking turns across streams, only as many as its next step
+        could run (max_num_seqs running or waiting): what waits, waits here, where the turns are fair,
+        not in the engine's first-come-first-served queue."""
+        stats = self.engine.stats()
+        room = self.max_num_seqs - stats["num_running"] - stats["num_waiting"]
+        while room > 0 and len(self.pending) > 0:
+            if self.add(self.pending.pop_next()):
+                room -= 1
+
+    def add(self, submit: Submit) -> bool:
+        """engine.add_request; False if it refused the request (which then has its Failed)."""
         request_id = submit.request_id
         try:
             self.engine.add_request(submit.token_ids, submit.params, request_id, arrival_time=submit.arrival_time)
         except ValueError as error:  # bad input (InvalidRequest names the field): the caller's to report
             submit.replies.put(Failed(request_id, error))
-            return
+            return False
         except Exception as error:  # a bug: this request fails, the loop and the others go on
             logger.exception("add_request failed")
             submit.replies.put(Failed(request_id, EngineGenerateError(f"the engine could not take the request: "
                                                                       f"{error!r}")))
-            return
+            return False
         self.replies[request_id] = submit.replies
         self.stat_logger.record_added(request_id, len(submit.token_ids), submit.arrival_time)
         submit.replies.put(Accepted(request_id))
+        return True
 
     def abort(self, request_id: str) -> None:
+        if request_id in self.pending:  # never handed to the engine: its output says so, at O(1) cost
+            submit = self.pending.remove(request_id)
+            output = self.never_run(submit)
+            self.stat_logger.record_finished(output)
+            submit.replies.put(output)
+            return
         if request_id in self.engine.requests:  # it may have finished meanwhile
             output = self.engine.abort_request(request_id)
             self.stat_logger.record_finished(output)
             self.send(request_id, output)
         self.replies.pop(request_id, None)  # the next step reports its output again: not sent twice
+
+    def never_run(self, submit: Submit) -> RequestOutput:
+        """The output of a request aborted before the engine took it: no tokens, finish_reason "abort"."""
+        text = "" if self.engine.tokenizer is not None else None
+        return RequestOutput(submit.request_id, None, submit.token_ids, [CompletionOutput(0, text, [], "abort")],
+                             num_cached_tokens=0, ttft=None, latency=time.perf_counter() - submit.arrival_time)
+
+    def stats(self) -> dict[str, int]:
+        """engine.stats(), with the requests waiting here counted among the waiting."""
+        stats = self.engine.stats()
+        return {**stats, "num_waiting": stats["num_waiting"] + len(self.pending)}
 
     def step(self) -> None:
         start = time.perf_counter()
@@ -204,7 +300,7 @@ class EngineLoop:
                 self.stat_logger.record_finished(output)
             self.send(output.request_id, output)
             self.replies.pop(output.request_id, None)
-        self.stat_logger.record_engine(self.engine.stats())
+        self.stat_logger.record_engine(self.stats())
 
     def send(self, request_id: str, reply: Reply) -> None:
         if request_id in self.replies:
@@ -227,29 +323,31 @@ class EngineLoop:
 class RequestStream:
     """Engine requests submitted together and read back together, each result as it comes (a
     server's n choices of one HTTP request share one). Made on the event loop that reads it.
-    `close()`, however the reader ends, aborts the requests not finished."""
+    `close()`, however the reader ends, aborts the requests not finished. `on_finished`: see ReplyQueue."""
 
-    def __init__(self, inbox: queue.Queue[Message]) -> None:
-        self.inbox, self.replies = inbox, ReplyQueue()
+    def __init__(self, inbox: queue.Queue[Message], on_finished: Callable[[str], None] | None = None) -> None:
+        self.inbox, self.replies = inbox, ReplyQueue(on_finished)
         self.unfinished: set[str] = set()
         self.early: list[Reply] = []  # results that came in while submit awaited another's Accepted
 
     async def submit(self, requests: list[tuple[str, list[int], SamplingParams]],
                      arrival_time: float | None = None) -> None:
         """Hand every (request_id, prompt_token_ids, params) to the engine thread, then wait until
-        add_request has taken them all; raises the first refusal. arrival_time: now if None."""
+        add_request has taken them all (or they were aborted first); raises the first refusal.
+        arrival_time: now if None. The engine loop takes a stream's requests in turns with the other
+        streams', so a large submit waits here for its last requests' turns."""
         arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         for request_id, token_ids, params in requests:
             self.unfinished.add(request_id)
             self.inbox.put(Submit(request_id, token_ids, params, arrival_time, self.replies))
-        num_accepted = 0
-        while num_accepted < len(requests):
+        not_taken = {request_id for request_id, _, _ in requests}
+        while not_taken:
             reply = await self.replies.get()
             if isinstance(reply, Failed):
                 raise reply.error
-            if isinstance(reply, Accepted):
-                num_accepted += 1
-            else:
+            if isinstance(reply, Accepted | RequestOutput):  # an output: aborted before the engine took it
+                not_taken.discard(reply.request_id)
+            if not isinstance(reply, Accepted):
                 self.early.append(reply)
 
     async def __aiter__(self) -> AsyncIterator[RequestDelta | RequestOutput]:
@@ -297,10 +395,11 @@ class AsyncLLM:
     async def __aexit__(self, *exc_info: object) -> None:
         self.shutdown()
 
-    def stream(self) -> RequestStream:
+    def stream(self, on_finished: Callable[[str], None] | None = None) -> RequestStream:
         """An empty stream to submit requests to and read them back from together (generate uses one per
-        request; the server one per HTTP request)."""
-        return RequestStream(self.engine_loop.inbox)
+        request; the server one per HTTP request, which is also its turn in the engine loop's FairQueue).
+        on_finished(request_id), on this event loop, as each request's final reply arrives, read or not."""
+        return RequestStream(self.engine_loop.inbox, on_finished)
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str,
                        arrival_time: float | None = None) -> AsyncIterator[RequestDelta | RequestOutput]:

@@ -2,12 +2,13 @@
 streams equals LLM.generate offline, requests run together, and an abort frees the KV cache."""
 import asyncio
 import contextlib
+import time
 
 import pytest
 
 import nanoserve
 from nanoserve import LLM, LLMEngine, RequestDelta, RequestOutput, SamplingParams
-from nanoserve.async_llm import AsyncLLM, StatLogger
+from nanoserve.async_llm import AsyncLLM, EngineGenerateError, FairQueue, ReplyQueue, StatLogger, Submit
 from nanoserve.config import Config
 
 ENGINE = dict(device="cpu", block_size=8, num_kvcache_blocks=25, max_model_len=128)
@@ -121,3 +122,89 @@ def test_abort_mid_stream_frees_every_block():
     assert [(o.request_id, o.finish_reason) for o in log.finished] == [("aborted", "abort"), ("left", "abort")]
     assert len(log.finished[1].token_ids) < 100
     assert engine.stats()["num_free_blocks"] == free_at_start and not engine.requests  # the thread has stopped
+
+
+def test_a_failed_step_aborts_its_requests_in_the_engine():
+    """Catches: an engine loop that, after a failed step, fails its requests' streams but forgets to
+    abort them in the engine: they run on (tokens nobody reads, KV blocks held) after their clients
+    got an error."""
+    engine = new_engine()
+    free_at_start = engine.stats()["num_free_blocks"]
+    step, num_steps = engine.step, []
+
+    def fail_on_the_third_step():  # by then the request runs and holds blocks
+        num_steps.append(1)
+        if len(num_steps) == 3:
+            raise RuntimeError("a device failure")
+        if len(num_steps) > 3:  # only a forgotten request steps on: slowly, so it is still there at shutdown
+            time.sleep(0.05)
+        return step()
+    engine.step = fail_on_the_third_step
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+
+    async def run() -> None:
+        async with AsyncLLM(engine) as llm:
+            stream = llm.stream()  # never closed: its abort on close would hide a loop that forgot its requests
+            await stream.submit([("failed", prompt, SamplingParams(max_tokens=100, ignore_eos=True))])
+            with pytest.raises(EngineGenerateError, match="a device failure"):
+                async for _ in stream:
+                    pass
+    asyncio.run(run())  # the loop has stopped: what it left in the engine stays there
+    assert not engine.requests
+    assert engine.stats()["num_free_blocks"] == free_at_start
+
+
+class Order(StatLogger):
+    """The engine thread's order of events: ("token", request_id) per delta, ("finished", request_id)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def record_step(self, result, start: float, end: float) -> None:
+        self.events.extend(("token", delta.request_id) for delta in result.deltas)
+
+    def record_finished(self, output: RequestOutput) -> None:
+        self.events.append(("finished", output.request_id))
+
+
+def test_a_fan_out_does_not_starve_the_next_streams_first_token():
+    """Catches: first-come-first-served admission across completions, where one stream's 48 queued
+    requests (an HTTP request's prompts x n) all run before another stream's single request gets a
+    token; and an abort of requests still queued that never ends their streams."""
+    engine = LLMEngine(Config.from_kwargs(nanoserve.DEFAULT_MODEL, **{**ENGINE, "max_num_seqs": 4}))
+    order, prompt = Order(), engine.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def run() -> None:
+        async with AsyncLLM(engine, order) as llm:
+            fan_out = llm.stream()
+            submitted = asyncio.ensure_future(fan_out.submit([(f"fan-{i}", prompt, params) for i in range(48)]))
+            await asyncio.sleep(0)  # its 48 Submits are in the inbox before the bystander's
+            async for _ in llm.generate(prompt, params, "bystander"):
+                pass
+            fan_out.close()  # aborts the fan-out's requests still queued (never handed to the engine) too
+            await submitted  # settled by their aborted outputs
+    asyncio.run(run())
+    first_token = order.events.index(("token", "bystander"))
+    num_fan_out_finished = sum(1 for kind, request_id in order.events[:first_token] if kind == "finished")
+    assert num_fan_out_finished <= 4 + 1  # a batch of the fan-out, then one more turn; not 44 of them
+    finished = [request_id for kind, request_id in order.events if kind == "finished"]
+    assert sorted(finished) == sorted([f"fan-{i}" for i in range(48)] + ["bystander"])  # every one, once
+    assert not engine.requests and engine.stats()["num_free_blocks"] == 24
+
+
+def test_fair_queue_takes_turns_across_streams_and_removes_any_request():
+    """Catches: a pending queue that serves a stream's requests all before the next stream's, or loses
+    or repeats a request when one is removed from the middle."""
+    async def run() -> list[str]:
+        a, b = ReplyQueue(), ReplyQueue()
+        pending = FairQueue()
+        for request_id in ("a0", "a1", "a2", "a3"):
+            pending.add(Submit(request_id, [1], SamplingParams(), 0.0, a))
+        for request_id in ("b0", "b1"):
+            pending.add(Submit(request_id, [1], SamplingParams(), 0.0, b))
+        assert pending.remove("a1").request_id == "a1" and "a1" not in pending
+        taken = [pending.pop_next().request_id for _ in range(len(pending))]
+        assert len(pending) == 0 and not pending.streams
+        return taken
+    assert asyncio.run(run()) == ["a0", "b0", "a2", "b1", "a3"]

@@ -626,3 +626,18 @@ def test_a_port_in_use_fails_before_the_model_loads(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             api_server.main([nanoserve.DEFAULT_MODEL, "--port", str(taken.getsockname()[1])])
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_prompt_tokens_count_when_scheduled():
+    # Catches: vllm:prompt_tokens_total counting a prompt when add_request took it, so that a request
+    # aborted before it was ever scheduled counted tokens the engine never served.
+    from nanoserve.entrypoints.openai.metrics import Metrics
+    from nanoserve.outputs import CompletionOutput, RequestOutput, StepResult
+    stats = Metrics(NAME, num_usable_blocks=24)
+    stats.record_added("never-scheduled", num_prompt_tokens=7, arrival_time=time.perf_counter())
+    stats.record_added("scheduled", num_prompt_tokens=5, arrival_time=time.perf_counter())
+    aborted = RequestOutput("never-scheduled", None, [1] * 7, [CompletionOutput(0, "", [], "abort")], 0, None, 0.0)
+    stats.record_finished(aborted)
+    assert stats.prompt_tokens._value.get() == 0
+    stats.record_step(StepResult(None, scheduled=[("scheduled", 5)], decode_ids=[], outputs=[], deltas=[]), 0.0, 0.0)
+    assert stats.prompt_tokens._value.get() == 5

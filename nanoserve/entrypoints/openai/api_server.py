@@ -296,8 +296,14 @@ def build_parser(prog: str) -> OneLineParser:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--served-model-name", default=None, help="default: the model path")
     parser.add_argument("--max-num-queued-requests", type=positive(int), default=None,
-                        help="completions (prompts x n) in flight at once, counted from arrival to answer: "
-                             "tokenizing, waiting and running in the engine, not only queued; more get 429")
+                        help="completions (prompts x n) in flight at once, counted from arrival until the engine "
+                             "finishes them: tokenizing, waiting and running, not only queued; more get 429 "
+                             "(default: 4 x --max-num-seqs)")
+    parser.add_argument("--max-completions-per-request", type=positive(int),
+                        default=Limits.max_completions_per_request,
+                        help="completions (prompts x n) one request may ask for; more get 400")
+    parser.add_argument("--write-timeout", type=positive(float), default=Limits.write_timeout,
+                        help="seconds a stream waits for its client to read before closing the connection")
     parser.add_argument("--max-request-body-bytes", type=positive(int), default=Limits.max_body_bytes)
     parser.add_argument("--header-timeout", type=positive(float), default=HEADER_TIMEOUT,
                         help="seconds a connection may take to send a request's head")
@@ -323,7 +329,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.serve")
         engine = LLMEngine(config)
     except (ValueError, OSError) as error:
         parser.error(str(error))
-    limits = Limits(max_body_bytes=args.max_request_body_bytes, max_num_queued_requests=args.max_num_queued_requests)
+    limits = Limits(max_body_bytes=args.max_request_body_bytes, max_num_queued_requests=args.max_num_queued_requests,
+                    max_completions_per_request=args.max_completions_per_request, write_timeout=args.write_timeout)
     name = args.served_model_name or args.model
     server = uvicorn_server(build_app(engine, name, args.api_key, limits), args.host, args.port, args.header_timeout,
                             log_level="info")

@@ -7,7 +7,8 @@ the tokenizer and the engine thread is in them). As vLLM:
 - time to first token is observed at the request's first token, so a running request's shows while it
   runs, and an aborted stream that got a token counts;
 - e2e latency only for requests that ran to the end: an aborted one's says when its client left;
-- queue time runs until the request is first scheduled.
+- queue time runs until the request is first scheduled, and its prompt tokens count from then (a
+  request aborted while it waits was never served).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class Metrics(StatLogger):
         self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc's old name")
         self.free_blocks = gauge("nanoserve:num_free_blocks", "Free KV-cache blocks")
         self.preemptions = counter("vllm:num_preemptions", "Preemptions")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of accepted requests")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests scheduled")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
         self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
@@ -56,13 +57,13 @@ class Metrics(StatLogger):
     def record_added(self, request_id: str, num_prompt_tokens: int, arrival_time: float) -> None:
         self.unscheduled[request_id] = (arrival_time, num_prompt_tokens)
         self.no_token_yet[request_id] = arrival_time
-        self.prompt_tokens.inc(num_prompt_tokens)
 
     def record_step(self, result: StepResult, start: float, end: float) -> None:
         for request_id, _ in result.scheduled:
             if request_id in self.unscheduled:
                 arrival_time, num_prompt_tokens = self.unscheduled.pop(request_id)
                 self.queue_time.observe(start - arrival_time)
+                self.prompt_tokens.inc(num_prompt_tokens)  # when scheduled: a prompt aborted before is not served
                 self.prefix_cache_queries.inc(num_prompt_tokens)
         for delta in result.deltas:  # a delta carries the token its request sampled in this step
             request_id = delta.request_id

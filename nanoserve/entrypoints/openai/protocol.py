@@ -31,12 +31,18 @@ class Limits:
     max_stop: int = 32                             # stop strings, and stop_token_ids, per request
     max_stop_chars: int = 1024                     # characters in one stop string
     # Completions (prompts x n) in flight: tokenizing, waiting or running in the engine, not only queued; more: 429.
+    # None: 4 x the engine's max_num_seqs (Serving.max_in_flight), a running batch and three more waiting.
     max_num_queued_requests: int | None = None
     max_n: int = 128                               # completions of one prompt (n): OpenAI's limit
     # Bytes of text in one request's prompts or messages together (at least what one prompt may hold),
     # and token ids in one /detokenize (at least max_model_len): a bound on one request's tokenizer time.
     max_request_prompt_bytes: int = 2**20
     max_detokenize_tokens: int = 2**16
+    # Completions (prompts x n) of one request: twice max_n, one default engine batch (max_num_seqs 256).
+    max_completions_per_request: int = 256
+    # Seconds a stream may wait for its client to take a chunk (the socket's buffers full) before its
+    # connection is closed: a client that stops reading holds no more than this.
+    write_timeout: float = 30.0
 
 
 # --- Errors -------------------------------------------------------------------------------------

@@ -165,7 +165,10 @@ class Serving:
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer")
         self.vocab_size = engine.vocab_size
         self.token_strings = TokenStrings(self.tokenizer, self.vocab_size)
-        self.num_in_flight = 0  # choices of accepted HTTP requests not yet answered (event loop only)
+        # Completions of accepted HTTP requests that the engine has not finished (event loop only), and
+        # their bound: what --max-num-queued-requests says, by default what the engine runs at once x 4.
+        self.num_in_flight = 0
+        self.max_in_flight = limits.max_num_queued_requests or 4 * engine.config.max_num_seqs
         # A token covers at most this many bytes of text: a text longer than max_model_len of them
         # cannot fit, and is refused untokenized. (A token's vocabulary entry has at least the bytes of
         # the text it covers, at most half more after Unicode normalization: x2 for safety.)
@@ -187,15 +190,19 @@ class Serving:
                            param="model", status=404, code="model_not_found")
 
     def admit(self, num_choices: int) -> None:
-        """Take a slot of max_num_queued_requests per choice (prompts x n) or refuse at once (429),
-        before any tokenizing: a burst costs no more than reading its bodies."""
+        """Take a slot of max_in_flight per choice (prompts x n) or refuse at once (429), before any
+        tokenizing: a burst costs no more than reading its bodies. A request past either bound on its
+        own could never be served: 400."""
         if self.async_llm.error is not None:
             raise APIError("the engine loop has died; the server cannot serve", status=503)
-        limit = self.limits.max_num_queued_requests
-        if limit is not None and num_choices > limit:
+        per_request, limit = self.limits.max_completions_per_request, self.max_in_flight
+        if num_choices > per_request:
+            raise APIError(f"{num_choices} completions (prompts x n), more than this server takes in one request "
+                           f"({per_request}, --max-completions-per-request)", param="prompt")
+        if num_choices > limit:
             raise APIError(f"{num_choices} completions (prompts x n), more than this server takes at once ({limit})",
                            param="prompt")
-        if limit is not None and self.num_in_flight + num_choices > limit:
+        if self.num_in_flight + num_choices > limit:
             self.metrics.rejected.inc()
             raise APIError(f"the server is busy: {self.num_in_flight} completions in flight, at most {limit} "
                            f"(--max-num-queued-requests); retry later", status=429, code="too_many_requests")

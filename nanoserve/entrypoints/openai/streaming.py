@@ -5,7 +5,9 @@ happens when its client leaves.
 prompts in the tokenizer thread, submits its choices to the AsyncLLM and answers: one JSON response
 (`whole_response`), or server-sent events (`EventStream`, one chunk per delta). A client that leaves
 is noticed on the event loop, streaming or not (`EventStream`, `until_disconnected`), and closes the
-generation: its engine requests are aborted, and their KV blocks are free before the next step.
+generation: its engine requests are aborted, and their KV blocks are free before the next step. A
+client that stays but stops reading a stream is cut off after Limits.write_timeout seconds without
+progress; its slots of the in-flight bound came back already, as the engine finished its requests.
 """
 from __future__ import annotations
 
@@ -28,22 +30,26 @@ logger = logging.getLogger(__name__)
 
 class Generation:
     """The engine requests of one HTTP request (n per prompt, one per choice), submitted and read back
-    together through one RequestStream. It holds its choices' slots of --max-num-queued-requests from
-    creation to `close()`, which its handler calls however the request ends; close() aborts the engine
-    requests not finished."""
+    together through one RequestStream. It takes its choices' slots of the in-flight bound at creation
+    and gives each back when the engine has finished its request (its final reply, read or not: a
+    client that does not read holds no slot past that), or at `close()` if never submitted. Its
+    handler calls close() however the request ends; close() aborts the engine requests not finished."""
 
     def __init__(self, serving: Serving, num_choices: int) -> None:
         serving.admit(num_choices)
         self.serving, self.num_choices, self.closed = serving, num_choices, False
         self.id = uuid.uuid4().hex
-        self.stream = serving.async_llm.stream()
+        self.stream = serving.async_llm.stream(on_finished=self.release)
         self.index: dict[str, int] = {}  # engine request id -> its choice's index
+        self.holding: set[str] = set()   # submitted requests whose slots this generation still holds
 
     async def submit(self, prompts: list[tuple[list[int], SamplingParams]], arrival_time: float) -> None:
         """Hand every prompt's n requests to the engine loop, sample i seeded seed + i (as vLLM; choice
         p * n + i); raises the first refusal (add_request's 400)."""
         requests = [(token_ids, params.for_sample(i)) for token_ids, params in prompts for i in range(params.n)]
         self.index = {f"{self.id}-{index}": index for index in range(len(requests))}
+        assert len(requests) == self.num_choices, "admit took one slot per request"
+        self.holding = set(self.index)
         try:
             await self.stream.submit([(request_id, token_ids, params)
                                       for request_id, (token_ids, params) in zip(self.index, requests)], arrival_time)
@@ -58,11 +64,19 @@ class Generation:
         except ENGINE_ERRORS as error:
             raise engine_error(error) from None
 
+    def release(self, request_id: str) -> None:
+        """The engine has finished a request (on the event loop, as its final reply arrives): its slot is free."""
+        if request_id in self.holding:
+            self.holding.discard(request_id)
+            self.serving.num_in_flight -= 1
+
     def close(self) -> None:
+        """Abort what is not finished; their slots come back with their aborted outputs."""
         if not self.closed:
             self.closed = True
             self.stream.close()
-            self.serving.num_in_flight -= self.num_choices
+            if not self.index:  # never submitted (refused while tokenizing, or the client left): nothing will reply
+                self.serving.num_in_flight -= self.num_choices
 
 
 async def generate_response(serving: Serving, request: Request, api: API, body: SamplingBody, num_prompts: int,
@@ -140,20 +154,34 @@ async def event_stream(generation: Generation, api: Formatter, head: dict,
     yield "data: [DONE]\n\n"
 
 
+class WriteTimeout(Exception):
+    """The client took no chunk for write_timeout seconds."""
+
+
 class EventStream(StreamingResponse):
     """A streamed request's response. A client disconnect reaches the engine because Starlette
     cancels the response: its listen_for_disconnect task sees http.disconnect and cancels the task
     that runs the event_stream generator. Whenever that happens (even before the generator has
     started, when its own `finally` would never run), __call__'s `finally` closes the generation,
-    which aborts its engine requests."""
+    which aborts its engine requests. A client that stays connected but does not read makes `send`
+    wait (uvicorn's flow control, once the socket's buffers are full): after write_timeout seconds of
+    that, the response ends unfinished and uvicorn closes the connection."""
 
     def __init__(self, generation: Generation, api: Formatter, head: dict, include_usage: bool) -> None:
         super().__init__(event_stream(generation, api, head, include_usage), media_type="text/event-stream")
         self.generation = generation
+        self.write_timeout = generation.serving.limits.write_timeout
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        async def send_or_give_up(message: dict) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout)
+            except TimeoutError:
+                raise WriteTimeout() from None
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_or_give_up)
+        except WriteTimeout:  # returning unfinished: uvicorn closes the connection
+            logger.warning("closing a stream whose client took nothing for %s s", self.write_timeout)
         finally:
             self.generation.close()
 

@@ -1,0 +1,123 @@
+"""The server under hostile load, its admission side: bounded by default (completions per request, and
+in flight), slots that follow the engine rather than the socket, and a write timeout for a client that
+stops reading. (Fair turns between HTTP requests are tested on AsyncLLM: tests/test_async_llm.py.)"""
+import json
+import logging
+import socket
+import threading
+import time
+from dataclasses import replace
+
+from test_serve import ENGINE, NAME, model_path, post  # noqa: F401 (fixtures)
+
+from nanoserve import LLMEngine
+from nanoserve.config import Config
+from nanoserve.entrypoints.openai.api_server import ServerThread, build_app
+from nanoserve.entrypoints.openai.protocol import Limits
+
+
+def start_server(path: str, max_num_seqs: int = 256, limits: Limits = Limits()) -> ServerThread:
+    engine = LLMEngine(Config.from_kwargs(path, **{**ENGINE, "max_num_seqs": max_num_seqs}))
+    return ServerThread(build_app(engine, NAME, limits=limits)).start()
+
+
+def wait_until(condition, seconds: float = 60.0) -> bool:
+    """Poll `condition` until it holds; False if it never did (a deadline for a hang, not a measurement)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def open_unread_stream(server: ServerThread, body: dict) -> socket.socket:
+    """A streamed request from a client that never reads: tiny socket buffers (the server's as well: an
+    accepted socket takes its listening socket's), so that the server's writes soon block on it."""
+    server.server.servers[0].sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: it sets the TCP window
+    host, port = server.server.servers[0].sockets[0].getsockname()[:2]
+    sock.connect((host, port))
+    content = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(content)}\r\n\r\n".encode() + content)
+    return sock
+
+
+# Many completions, each chunk large (20 logprobs): far more than the socket's buffers hold.
+BIG_STREAM = dict(prompt="It is a truth", n=8, max_tokens=100, logprobs=20, ignore_eos=True, stream=True)
+
+
+def test_a_huge_fan_out_is_a_400_by_default(model_path):  # noqa: F811
+    # Catches: no default bound on completions per request: 1,000 prompts x n=128 in a 15 KB body
+    # became 128,000 engine requests.
+    server = start_server(model_path)
+    try:
+        reply = post(server, "/v1/completions", dict(prompt=[[1, 2]] * 1000, n=128, max_tokens=1), timeout=30)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
+        assert "128000 completions" in reply.json()["error"]["message"]
+        assert "--max-completions-per-request" in reply.json()["error"]["message"]
+        assert post(server, "/v1/completions", dict(prompt=[[1, 2]] * 3, n=86, max_tokens=1)).status_code == 400
+        assert server.serving.num_in_flight == 0 and not server.serving.async_llm.engine.requests
+    finally:
+        server.stop()
+
+
+def test_completions_in_flight_are_bounded_by_default(model_path):  # noqa: F811
+    # Catches: no default bound on completions in flight (--max-num-queued-requests off unless set):
+    # the default is 4 x max_num_seqs, here 4 x 2.
+    server = start_server(model_path, max_num_seqs=2)
+    engine, gate = server.serving.async_llm.engine, threading.Event()
+    step = engine.step
+
+    def step_once_open():  # nothing finishes until the gate opens
+        gate.wait()
+        return step()
+    engine.step = step_once_open
+    try:
+        assert server.serving.max_in_flight == 8
+        first = threading.Thread(target=post, args=(server, "/v1/completions", dict(prompt="It is", n=8, max_tokens=2)))
+        first.start()
+        assert wait_until(lambda: server.serving.num_in_flight == 8)
+        reply = post(server, "/v1/completions", dict(prompt="It is", max_tokens=1))
+        assert reply.status_code == 429 and reply.json()["error"]["type"] == "rate_limit_error"
+        assert "at most 8" in reply.json()["error"]["message"]
+        gate.set()
+        first.join()
+        assert post(server, "/v1/completions", dict(prompt="It is", max_tokens=1)).status_code == 200
+    finally:
+        gate.set()
+        server.stop()
+
+
+def test_a_client_that_does_not_read_holds_no_slots_once_the_engine_is_done(model_path, caplog):  # noqa: F811
+    # Catches: slots released when the client's socket closes rather than when the engine finished
+    # (a client that never read pinned its slots: every other client got 429 for 120 s), and no write
+    # timeout (its connection held for as long as it liked).
+    server = start_server(model_path, max_num_seqs=2)  # at most 8 in flight: BIG_STREAM's n=8 takes them all
+    serving, sockets = server.serving, []
+    try:
+        unread = open_unread_stream(server, BIG_STREAM)
+        sockets.append(unread)  # write_timeout 30 s: the engine finishes long before
+        assert wait_until(lambda: serving.num_in_flight == 8)
+        assert wait_until(lambda: serving.num_in_flight == 0)  # the engine finished: its slots are back ...
+        assert "whose client took nothing" not in caplog.text  # ... not because the stream gave up
+        assert post(server, "/v1/completions", dict(prompt="It is", max_tokens=1)).status_code == 200
+        unread.close()
+
+        serving.limits = replace(serving.limits, write_timeout=0.5)
+        with caplog.at_level(logging.WARNING):
+            unread = open_unread_stream(server, BIG_STREAM)
+            sockets.append(unread)
+            assert wait_until(lambda: "whose client took nothing for 0.5 s" in caplog.text)
+        received = b""
+        while chunk := unread.recv(65536):  # what the buffers held, then the end: the server closed it
+            received += chunk
+        assert b"data: " in received and b"[DONE]" not in received
+        unread.close()
+        assert wait_until(lambda: serving.num_in_flight == 0 and not serving.async_llm.engine.requests)
+    finally:
+        for sock in sockets:  # else stop() waits for them
+            sock.close()
+        server.stop()
