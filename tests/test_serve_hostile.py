@@ -134,6 +134,18 @@ def test_detokenize_is_bounded(server):
     assert post(server, "/detokenize", dict(tokens=[5] * limit)).status_code == 200
 
 
+# Catches: a list of prompts counted only after the body is validated (pydantic checks each of 200,000
+# prompts first, holding the event loop for over a second): too many is refused before validation.
+def test_too_many_prompts_are_refused_before_the_body_is_validated(server, monkeypatch):
+    from nanoserve.entrypoints.openai import serving_completion
+    monkeypatch.setattr(serving_completion, "parse", lambda *args: pytest.fail("the body was validated"))
+    too_many = Limits().max_completions_per_request + 1
+    for prompt in (["a"] * too_many, [[5, 6]] * too_many):
+        reply = post(server, "/v1/completions", dict(prompt=prompt, max_tokens=1))
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt", reply.text
+        assert f"{too_many} prompts" in reply.json()["error"]["message"]
+
+
 # Catches: token strings for logprobs decoded on the tokenizer thread, where they queued behind any long
 # tokenization (a logprobs stream stalled with it): they are decoded once, when the server starts.
 def test_token_strings_never_use_the_tokenizer_thread(model_path, monkeypatch):  # noqa: F811

@@ -21,7 +21,7 @@ class OneLineParser(argparse.ArgumentParser):
 def positive(kind: type) -> Callable[[str], int | float]:
     def convert(text: str) -> int | float:
         value = kind(text)
-        if value <= 0:
+        if not value > 0:  # nan too
             raise ValueError
         return value
     convert.__name__ = f"positive {kind.__name__}"  # argparse's "invalid positive int value: '0'"
