@@ -29,7 +29,7 @@ one request only, and others read it only once it is full (block_manager.py).
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from nanoserve.batch import prompt_logprob_positions
 from nanoserve.block_manager import BlockManager
@@ -49,13 +49,16 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the newest is last
+        # The queues are OrderedDicts used as ordered sets: a request leaves from anywhere in O(1), by its
+        # hash. An abort storm (a client with a large fan-out leaves) removes each of its requests in turn:
+        # a deque or list would scan for every one, quadratic in the queue's length.
+        self.waiting: OrderedDict[Sequence, None] = OrderedDict()  # first come, first served
+        self.running: OrderedDict[Sequence, None] = OrderedDict()  # in admission order: the newest is last
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache, over all requests
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting[seq] = None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -83,7 +86,7 @@ class Scheduler:
             # Make room: preempt the newest running requests until seq can write at least one more
             # token, or until seq itself was preempted (it was the newest left: no one after it runs).
             while self.block_manager.num_free_slots(seq) == 0 and seq not in preempted:
-                preempted.append(self.running[-1])
+                preempted.append(next(reversed(self.running)))
                 self.preempt(preempted[-1])
             if seq in preempted:
                 break
@@ -104,7 +107,7 @@ class Scheduler:
         # Static batching, difference 2 of 3: the whole batch is admitted at once, even past the token
         # budget (their prompts then run in chunks over the next steps).
         while self.waiting and (budget > 0 or static) and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = next(iter(self.waiting))
             # Blocks enter the prefix cache when the step that fills them is scheduled: a request
             # admitted after another in this step shares the blocks that one fills (block_manager.py).
             cached_prefix = self.block_manager.find_cached_prefix(seq)
@@ -113,13 +116,13 @@ class Scheduler:
             if not self.block_manager.allocate(seq, self.slots_to_reserve(seq, num_computed + num_new), cached_prefix,
                                                self.blocks_to_keep_free()):
                 break  # first come, first served: no one behind it may pass
-            self.waiting.popleft()
+            del self.waiting[seq]
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_computed
             if seq.num_cached_tokens is None:  # first admission (a preempted request finds its own blocks)
                 seq.num_cached_tokens = min(num_computed, seq.num_prompt_tokens)
                 self.num_cached_tokens += seq.num_cached_tokens
-            self.running.append(seq)
+            self.running[seq] = None
             self.block_manager.cache_full_blocks(seq, num_computed + num_new)
             if num_new > 0:
                 scheduled.append((seq, num_new))
@@ -151,11 +154,12 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop seq's KV and requeue it at the front."""
-        self.running.remove(seq)
+        del self.running[seq]
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        self.waiting.appendleft(seq)
+        self.waiting[seq] = None
+        self.waiting.move_to_end(seq, last=False)  # to the front: ahead of those that never ran
         self.num_preemptions += 1
 
     def update(self, scheduled: list[ScheduledSeq], output: SamplerOutput) -> list[Sequence]:
@@ -193,9 +197,9 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finished or aborted requests return their blocks at once."""
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            del self.running[seq]
         elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            del self.waiting[seq]
         self.block_manager.free(seq)
         seq.finish(reason)
 
@@ -206,7 +210,7 @@ class Scheduler:
         assert len({id(seq) for seq in live}) == len(live), f"a request is queued twice: {live}"
         assert all(s.status is SequenceStatus.WAITING and not s.block_table and s.num_computed_tokens == 0
                    for s in self.waiting), f"a waiting request is not WAITING or holds KV: {list(self.waiting)}"
-        assert all(s.status is SequenceStatus.RUNNING for s in self.running), f"bad running: {self.running}"
+        assert all(s.status is SequenceStatus.RUNNING for s in self.running), f"bad running: {list(self.running)}"
         assert len(self.running) <= self.config.max_num_seqs, f"{len(self.running)} running > max_num_seqs"
         self.block_manager.assert_invariants(live, scheduled or ())
         if scheduled is not None:
