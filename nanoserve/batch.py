@@ -54,14 +54,23 @@ def samples_now(seq: Sequence, num_new: int) -> bool:
     return seq.num_computed_tokens + num_new == seq.num_tokens
 
 
-def prompt_logprob_positions(seq: Sequence, num_new: int) -> range:
-    """The positions of seq's tokens in this step whose logits give a prompt logprob: position p predicts
-    prompt token p + 1, up to the prompt's last token (whose logits sample). Positions already done are
-    skipped: a preempted request recomputes its prompt, and its prompt_logprobs are kept."""
-    if seq.params.prompt_logprobs is None:
-        return range(0)
-    start = max(seq.num_computed_tokens, len(seq.prompt_logprobs) - 1)
-    return range(start, min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens - 1))
+def prompt_logprob_positions(scheduled: list[tuple[Sequence, int]]) -> list[range]:
+    """For each scheduled request, the positions of its tokens in this step whose logits give a prompt
+    logprob: position p predicts prompt token p + 1, up to the prompt's last token (whose logits sample).
+    Positions whose row is known are skipped: a preempted request recomputes its prompt, and its
+    prompt_logprobs are kept; so are those that a request earlier in the batch computes for the same
+    list (requests with the same prompt share it: scheduler.py). So each row is computed once."""
+    planned: dict[int, int] = {}  # id of a shared list -> the positions with a row by the end of this step
+    found = []
+    for seq, num_new in scheduled:
+        if seq.params.prompt_logprobs is None:
+            found.append(range(0))
+            continue
+        rows = seq.prompt_logprobs
+        start = max(seq.num_computed_tokens, len(rows) - 1, planned.get(id(rows), 0))
+        found.append(range(start, min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens - 1)))
+        planned[id(rows)] = max(planned.get(id(rows), 0), found[-1].stop)
+    return found
 
 
 def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, device: torch.device) -> Batch:
@@ -74,9 +83,8 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, device: 
     """
     input_ids: list[int] = []
     prompt_rows, next_token_ids = [], []
-    for seq, num_new in scheduled:
+    for (seq, num_new), positions in zip(scheduled, prompt_logprob_positions(scheduled)):
         start = seq.num_computed_tokens
-        positions = prompt_logprob_positions(seq, num_new)
         prompt_rows += [len(input_ids) + p - start for p in positions]  # rows of the flat batch
         next_token_ids += seq.token_ids[positions.start + 1:positions.stop + 1]
         input_ids += seq.token_ids[start:start + num_new]

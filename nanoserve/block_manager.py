@@ -75,17 +75,19 @@ class BlockManager:
         blocks plus every free block."""
         return (len(seq.block_table) + self.num_free_blocks) * self.block_size - seq.num_computed_tokens
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks that hold seq's leading full blocks, in order.
+    def find_cached_prefix(self, seq: Sequence, max_tokens: int | None = None) -> list[int]:
+        """The cached blocks that hold seq's leading full blocks, in order, covering at most `max_tokens`
+        tokens (the scheduler's limit for prompt logprobs, whose rows a hit would skip).
 
         Only blocks before the last token are looked up: the last token is always recomputed, so
         even a full hit leaves one token to run and yields logits to sample from.
         """
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return []  # prompt logprobs need the logits of every prompt token: no hit may skip one (as vLLM)
+        if not self.enable_prefix_caching:
+            return []
+        num_tokens = seq.num_tokens - 1 if max_tokens is None else min(seq.num_tokens - 1, max_tokens)
         hits: list[int] = []
         key = None
-        for i in range((seq.num_tokens - 1) // self.block_size):
+        for i in range(num_tokens // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             key = hash_block(key, tokens)
             block_id = self.cached_blocks.get(key)

@@ -103,7 +103,8 @@ class ModelRunner:
             chosen = torch.tensor([token_ids[row] for row in rows], device=logits.device)
             for row, found in zip(rows, top_logprobs(sampling[rows], chosen, [seqs[r].params.logprobs for r in rows])):
                 logprobs[row] = found
-        num_top = [seq.params.prompt_logprobs for seq, n in scheduled for _ in prompt_logprob_positions(seq, n)]
+        num_top = [seq.params.prompt_logprobs for (seq, _), rows in zip(scheduled, prompt_logprob_positions(scheduled))
+                   for _ in rows]
         return SamplerOutput(token_ids, logprobs, top_logprobs(prompt_rows, batch.next_token_ids, num_top))
 
     @property

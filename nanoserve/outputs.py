@@ -78,7 +78,8 @@ def request_output(seq: Sequence) -> RequestOutput:
     text = seq.detokenizer.text if seq.detokenizer else None
     ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
     logprobs = seq.logprobs if seq.params.logprobs is not None else None
-    prompt_logprobs = seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None
+    # A copy: requests with the same prompt share one list, which grows while any of them runs (scheduler.py)
+    prompt_logprobs = list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
     completion = CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason, logprobs)
     return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], [completion],
                          seq.num_cached_tokens or 0, ttft, seq.finish_time - seq.arrival_time, prompt_logprobs)
@@ -89,5 +90,5 @@ def request_delta(seq: Sequence) -> RequestDelta:
     text = None if seq.detokenizer is None else seq.detokenizer.take_delta(seq.is_finished)
     logprobs = seq.logprobs[-1] if seq.params.logprobs is not None else None
     first = seq.num_tokens == seq.num_prompt_tokens + 1
-    prompt_logprobs = seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None
+    prompt_logprobs = list(seq.prompt_logprobs) if first and seq.params.prompt_logprobs is not None else None
     return RequestDelta(seq.request_id, [seq.token_ids[-1]], text, seq.finish_reason, logprobs, prompt_logprobs)

@@ -36,11 +36,11 @@ class SamplingParams:
     # keep the tokens up to and including the one that completed it. A str or list is stored as a tuple.
     stop: tuple[str, ...] | None = None
     # n completions of the prompt: LLM.generate and the server add n requests (`for_sample`), which
-    # share the prompt's full KV blocks through the prefix cache.
+    # share the prompt's full KV blocks through the prefix cache, and its prompt logprobs (scheduler.py).
     n: int = 1
     # Logprobs, from the model's raw logits (before temperature, top-k and top-p: vLLM V1's choice).
     logprobs: int | None = None         # of each output token, with the N most likely (0 <= N <= 20)
-    prompt_logprobs: int | None = None  # of each prompt token but the first, likewise (no prefix-cache hits)
+    prompt_logprobs: int | None = None  # of each prompt token but the first, likewise (computed once per prompt)
 
     def __post_init__(self) -> None:
         t, p, k, m, stop, seed = (self.temperature, self.top_p, self.top_k, self.max_tokens,

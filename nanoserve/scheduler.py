@@ -18,6 +18,13 @@ is lost. A step that preempted admits no one.
 After the model ran, `update` appends each sampled token and `stop_reason` applies every stop rule
 (EOS, stop tokens, stop strings, max_tokens, max_model_len) in one place.
 
+Prompt logprobs need the logits of every prompt position, and a prefix-cache hit skips the positions
+it covers. So the requests that ask for the same prompt's logprobs (the n samples of an echoed prompt)
+share one list of them (`add`): whichever runs a position first computes its row
+(`batch.prompt_logprob_positions`), and a hit may skip only the positions whose rows are known, or
+computed in this step by a request ahead of it in the batch (`update` fills the list in batch order).
+The prompt is computed once, not n times.
+
 `scheduling="static"` is the baseline (static batching, docs/batching.md): a batch is admitted only
 when the previous one has completely finished, and KV space for prompt + max_tokens - 1 tokens is
 reserved up front (the last sampled token's KV is never needed): the four places where the code
@@ -29,7 +36,10 @@ one request only, and others read it only once it is full (block_manager.py).
 """
 from __future__ import annotations
 
-from collections import deque
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable
+from itertools import chain
 
 from nanoserve.batch import prompt_logprob_positions
 from nanoserve.block_manager import BlockManager
@@ -49,13 +59,24 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the newest is last
+        # The queues are OrderedDicts used as ordered sets: a request leaves from anywhere in O(1), by its
+        # hash. An abort storm (a client with a large fan-out leaves) removes each of its requests in turn:
+        # a deque or list would scan for every one, quadratic in the queue's length.
+        self.waiting: OrderedDict[Sequence, None] = OrderedDict()  # first come, first served
+        self.running: OrderedDict[Sequence, None] = OrderedDict()  # in admission order: the newest is last
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache, over all requests
+        # (prompt token ids, prompt_logprobs) -> a request whose prompt logprobs the next such request shares.
+        # Weak: an entry lives as long as its request (a finished one's rows are as good as any).
+        self.prompt_logprobs_owners: weakref.WeakValueDictionary[tuple, Sequence] = weakref.WeakValueDictionary()
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue seq. If it asks for prompt logprobs, it shares the list of a request with the same prompt
+        and prompt_logprobs (see the module docstring)."""
+        if seq.params.prompt_logprobs is not None:
+            key = (tuple(seq.token_ids[:seq.num_prompt_tokens]), seq.params.prompt_logprobs)
+            seq.prompt_logprobs = self.prompt_logprobs_owners.setdefault(key, seq).prompt_logprobs
+        self.waiting[seq] = None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -69,7 +90,7 @@ class Scheduler:
         if preempted or (self.config.scheduling == "static" and self.running):
             return scheduled
         budget = self.config.max_num_batched_tokens - sum(num_new for _, num_new in scheduled)
-        return scheduled + self.admit_waiting(budget)
+        return scheduled + self.admit_waiting(budget, planned=scheduled)
 
     def schedule_running(self) -> tuple[list[ScheduledSeq], list[Sequence]]:
         """Each running request, oldest first, gets its next decode token or prefill chunk while the
@@ -83,7 +104,7 @@ class Scheduler:
             # Make room: preempt the newest running requests until seq can write at least one more
             # token, or until seq itself was preempted (it was the newest left: no one after it runs).
             while self.block_manager.num_free_slots(seq) == 0 and seq not in preempted:
-                preempted.append(self.running[-1])
+                preempted.append(next(reversed(self.running)))
                 self.preempt(preempted[-1])
             if seq in preempted:
                 break
@@ -96,35 +117,45 @@ class Scheduler:
             budget -= num_new
         return scheduled, preempted
 
-    def admit_waiting(self, budget: int) -> list[ScheduledSeq]:
+    def admit_waiting(self, budget: int, planned: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Move waiting requests to running, first come first served, while they fit. The first that
-        does not fit stops admission: no one behind it jumps the queue."""
+        does not fit stops admission: no one behind it jumps the queue. `planned`: the step's plan so far."""
         static = self.config.scheduling == "static"
         scheduled: list[ScheduledSeq] = []
         # Static batching, difference 2 of 4: the whole batch is admitted at once, even past the token
         # budget (their prompts then run in chunks over the next steps).
         while self.waiting and (budget > 0 or static) and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = next(iter(self.waiting))
             # Blocks enter the prefix cache when the step that fills them is scheduled: a request
             # admitted after another in this step shares the blocks that one fills (block_manager.py).
-            cached_prefix = self.block_manager.find_cached_prefix(seq)
+            max_hit = self.max_cache_hit(seq, chain(planned, scheduled))
+            cached_prefix = self.block_manager.find_cached_prefix(seq, max_hit)
             num_computed = len(cached_prefix) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
             if not self.block_manager.allocate(seq, self.slots_to_reserve(seq, num_computed + num_new), cached_prefix,
                                                self.blocks_to_keep_free()):
                 break  # first come, first served: no one behind it may pass
-            self.waiting.popleft()
+            del self.waiting[seq]
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_computed
             if seq.num_cached_tokens is None:  # first admission (a preempted request finds its own blocks)
                 seq.num_cached_tokens = min(num_computed, seq.num_prompt_tokens)
                 self.num_cached_tokens += seq.num_cached_tokens
-            self.running.append(seq)
+            self.running[seq] = None
             self.block_manager.cache_full_blocks(seq, num_computed + num_new)
             if num_new > 0:
                 scheduled.append((seq, num_new))
                 budget -= num_new
         return scheduled
+
+    def max_cache_hit(self, seq: Sequence, planned: Iterable[ScheduledSeq]) -> int | None:
+        """How many of seq's tokens a prefix-cache hit may cover (None: any). With prompt logprobs, only
+        the positions whose rows are known: computed in an earlier step, or in this one by a request
+        planned before seq that shares seq's list (`update` adds its rows before seq's)."""
+        if seq.params.prompt_logprobs is None:
+            return None
+        this_step = [s.num_computed_tokens + n for s, n in planned if s.prompt_logprobs is seq.prompt_logprobs]
+        return max([len(seq.prompt_logprobs) - 1, *this_step])
 
     def slots_to_reserve(self, seq: Sequence, num_tokens_now: int) -> int:
         """KV slots seq takes when admitted. Continuous batching: only what this step writes; later
@@ -151,11 +182,12 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop seq's KV and requeue it at the front."""
-        self.running.remove(seq)
+        del self.running[seq]
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        self.waiting.appendleft(seq)
+        self.waiting[seq] = None
+        self.waiting.move_to_end(seq, last=False)  # to the front: ahead of those that never ran
         self.num_preemptions += 1
 
     def update(self, scheduled: list[ScheduledSeq], output: SamplerOutput) -> list[Sequence]:
@@ -165,8 +197,11 @@ class Scheduler:
         sampled = zip(output.token_ids, output.logprobs)
         prompt_logprobs = iter(output.prompt_logprobs)
         finished = []
-        for seq, num_new in scheduled:
-            seq.prompt_logprobs += [next(prompt_logprobs) for _ in prompt_logprob_positions(seq, num_new)]
+        # The rows as planned: all at once, before any is added to the lists that requests share.
+        for (seq, num_new), positions in zip(scheduled, prompt_logprob_positions(scheduled)):
+            num_held = len(seq.prompt_logprobs) - 1  # rows of positions 0 .. num_held - 1
+            assert not positions or positions.start == num_held, f"{seq}: rows from {positions.start}, {num_held} held"
+            seq.prompt_logprobs += [next(prompt_logprobs) for _ in positions]
             seq.num_computed_tokens += num_new
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt: no token yet
@@ -193,9 +228,9 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finished or aborted requests return their blocks at once."""
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            del self.running[seq]
         elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            del self.waiting[seq]
         self.block_manager.free(seq)
         seq.finish(reason)
 
@@ -206,7 +241,7 @@ class Scheduler:
         assert len({id(seq) for seq in live}) == len(live), f"a request is queued twice: {live}"
         assert all(s.status is SequenceStatus.WAITING and not s.block_table and s.num_computed_tokens == 0
                    for s in self.waiting), f"a waiting request is not WAITING or holds KV: {list(self.waiting)}"
-        assert all(s.status is SequenceStatus.RUNNING for s in self.running), f"bad running: {self.running}"
+        assert all(s.status is SequenceStatus.RUNNING for s in self.running), f"bad running: {list(self.running)}"
         assert len(self.running) <= self.config.max_num_seqs, f"{len(self.running)} running > max_num_seqs"
         self.block_manager.assert_invariants(live, scheduled or ())
         if scheduled is not None:

@@ -45,7 +45,8 @@ class Sequence:
         self.finish_time: float | None = None
         self.detokenizer = detokenizer                   # the output text; None without a tokenizer
         self.logprobs: list[dict[int, Logprob]] = []     # per output token, with params.logprobs
-        self.prompt_logprobs: list[dict[int, Logprob] | None] = [None]  # per prompt token, with params.prompt_logprobs
+        # Per prompt token, with params.prompt_logprobs; shared by the requests with the same prompt (scheduler.py)
+        self.prompt_logprobs: list[dict[int, Logprob] | None] = [None]
 
     def append_token(self, token: int, logprobs: dict[int, Logprob] | None = None) -> None:
         """A sampled token (and its logprobs, if asked for): onto token_ids, and into the output text."""

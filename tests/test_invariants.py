@@ -22,7 +22,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.batch import build_batch, prompt_logprob_positions
 from nanoserve.block_manager import Block, BlockManager
 from nanoserve.config import Config
-from nanoserve.sampler import SamplerOutput
+from nanoserve.sampler import Logprob, SamplerOutput
 from nanoserve.scheduler import ScheduledSeq, Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus
 
@@ -37,7 +37,7 @@ class Request:
     abort_step: int | None  # aborted at this step if still unfinished then
     stop_token_ids: list[int]
     ignore_eos: bool
-    prompt_logprobs: bool = False  # such a request never takes a prefix-cache hit, but others may share its blocks
+    prompt_logprobs: bool = False  # its hits may skip only positions whose rows a request with its prompt computed
 
 
 @dataclass
@@ -69,11 +69,12 @@ def workloads(draw: st.DrawFn) -> Workload:
     requests = []
     for _ in range(draw(st.integers(1, 8))):
         prompt = (draw(st.sampled_from(prefixes)) + draw(token_lists(max_model_len // 2)))[:max_model_len] or [0]
-        requests.append(Request(prompt, max_tokens=draw(st.integers(1, max_model_len)),
-                                arrival_step=draw(st.integers(0, 10)),
-                                abort_step=draw(st.none() | st.none() | st.integers(0, 40)),
-                                stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=1)),
-                                ignore_eos=draw(st.booleans()), prompt_logprobs=draw(st.booleans())))
+        prompt_logprobs, arrival_step = draw(st.booleans()), draw(st.integers(0, 10))
+        for _ in range(draw(st.sampled_from([1, 1, 2, 3]))):  # n samples of the prompt, arriving together
+            requests.append(Request(prompt, max_tokens=draw(st.integers(1, max_model_len)), arrival_step=arrival_step,
+                                    abort_step=draw(st.none() | st.none() | st.integers(0, 40)),
+                                    stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=1)),
+                                    ignore_eos=draw(st.booleans()), prompt_logprobs=prompt_logprobs))
     eos_token_ids = draw(st.sets(st.integers(0, VOCAB - 1), max_size=1))
     return Workload(config, num_blocks, max_model_len, requests, eos_token_ids)
 
@@ -95,7 +96,7 @@ def next_token(context_kv: list[int]) -> int:
 def run_fake_model(scheduled: list[ScheduledSeq], kv_cache: dict[int, int], block_size: int) -> SamplerOutput:
     """Write this step's KV by slot_mapping, then read each request's context through its block
     table (as attention does, in every layer) and check it is exactly the request's tokens; sample
-    the fake next token."""
+    the fake next token. A prompt-logprob row is the KV its position read: `prompt_logprob_rows`."""
     batch = build_batch(scheduled, block_size, "cpu")
     positions = [p for seq, n in scheduled for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n)]
     slots = [seq.block_table[p // block_size] * block_size + p % block_size
@@ -103,15 +104,23 @@ def run_fake_model(scheduled: list[ScheduledSeq], kv_cache: dict[int, int], bloc
     assert batch.positions.tolist() == positions and batch.slot_mapping.tolist() == slots
     new_kv = [kv for seq, n in scheduled for kv in kv_of(seq.token_ids)[seq.num_computed_tokens:][:n]]
     kv_cache.update(zip(slots, new_kv))
-    sampled, num_prompt_logprobs = [], sum(len(prompt_logprob_positions(seq, n)) for seq, n in scheduled)
-    for (seq, num_new), table, seq_len in zip(scheduled, batch.block_tables.tolist(), batch.seq_lens.tolist()):
+    sampled, prompt_rows = [], []
+    for (seq, num_new), table, seq_len, positions in zip(scheduled, batch.block_tables.tolist(),
+                                                         batch.seq_lens.tolist(), prompt_logprob_positions(scheduled)):
         context = [kv_cache.get(table[p // block_size] * block_size + p % block_size) for p in range(seq_len)]
         unwritten = [table[p // block_size] for p, kv in enumerate(context) if kv is None]
         assert not unwritten, f"{seq} reads blocks {unwritten} before anyone wrote them"
         assert context == kv_of(seq.token_ids[:seq_len]), f"{seq} reads KV that is not its own"
         if seq.num_computed_tokens + num_new == seq.num_tokens:
             sampled.append(next_token(context))
-    return SamplerOutput(sampled, [None] * len(sampled), [{}] * num_prompt_logprobs)
+        prompt_rows += [{seq.token_ids[p + 1]: Logprob(context[p], 1)} for p in positions]
+    return SamplerOutput(sampled, [None] * len(sampled), prompt_rows)
+
+
+def prompt_logprob_rows(prompt: list[int]) -> list[dict[int, Logprob] | None]:
+    """The fake model's prompt logprobs: for each prompt token but the first, the KV of the position before it."""
+    kv = kv_of(prompt)
+    return [None] + [{prompt[p + 1]: Logprob(kv[p], 1)} for p in range(len(prompt) - 1)]
 
 
 def expected_output(w: Workload, r: Request) -> tuple[str, list[int]]:
@@ -198,9 +207,10 @@ def test_random_workloads_keep_every_invariant(w: Workload):
     for seq, r in zip(seqs, w.requests):
         assert seq.status is SequenceStatus.FINISHED and not seq.block_table
         assert (seq.num_cached_tokens or 0) <= seq.num_prompt_tokens
-        if r.prompt_logprobs:  # every prompt token's row computed, none skipped by a hit, none twice
-            assert seq.finish_reason == "abort" or (not seq.num_cached_tokens
-                                                    and len(seq.prompt_logprobs) == seq.num_prompt_tokens)
+        if r.prompt_logprobs:  # every prompt token's row in its place: none skipped by a hit, none twice
+            rows = prompt_logprob_rows(r.prompt)
+            assert seq.prompt_logprobs == rows[:len(seq.prompt_logprobs)]
+            assert seq.finish_reason == "abort" or len(seq.prompt_logprobs) == len(rows)
         if seq.finish_reason == "abort":
             assert r.abort_step is not None
             assert seq.output_token_ids == expected_output(w, r)[1][:len(seq.output_token_ids)]
@@ -332,10 +342,10 @@ def test_the_writer_aborted_or_preempted_leaves_its_readers_their_kv(tiny_models
 
 
 def test_a_prompt_logprobs_request_takes_no_hit_but_its_blocks_serve_the_same_step(tiny_models):
-    """Prompt logprobs need every prompt token's logits, so such a request never takes a hit, even
-    on blocks filled earlier in its own step; the blocks it fills serve the requests admitted after
-    it. Catches: a hit that skips prompt-logprob rows, its blocks kept out of the cache, or rows
-    that change with what shares the step."""
+    """Prompt logprobs need every prompt token's logits, so such a request takes no hit on blocks that
+    no request sharing its prompt logprobs filled (here: none does), even blocks filled earlier in its own
+    step; the blocks it fills serve the requests admitted after it. Catches: a hit that skips
+    prompt-logprob rows, its blocks kept out of the cache, or rows that change with what shares the step."""
     path = tiny_models["gqa"]
     expected = reference(path, SHARED[:3], SHARED_MAX_TOKENS[:3])
     with_rows = SamplingParams(temperature=0, max_tokens=SHARED_MAX_TOKENS[1], prompt_logprobs=1)

@@ -1,8 +1,11 @@
 """A request's life in the engine: aborts in every state, blocks back in the step a request ends,
 memory pressure, metrics, start-up checks, bad input that leaves the engine serving, determinism."""
+import gc
 import random
 import shutil
+import sys
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
@@ -98,6 +101,66 @@ def test_abort_of_an_unknown_or_finished_request_is_a_value_error(tiny_models):
     run_to_completion(engine)
     with pytest.raises(ValueError, match=f"no unfinished request with id '{done}'"):
         engine.abort_request(done)
+
+
+def python_instructions(work: Callable[[], object]) -> int:
+    """How many bytecode instructions work() runs: its Python work. C code (a dict lookup, a deque scan)
+    counts nothing; the collector is paused, so that no gc callback runs Python code at random."""
+    count = 0
+
+    def trace(frame, event, arg):
+        nonlocal count
+        frame.f_trace_opcodes = True
+        count += event == "opcode"
+        return trace
+    previous = sys.gettrace()
+    gc.disable()
+    sys.settrace(trace)
+    try:
+        work()
+    finally:
+        sys.settrace(previous)
+        gc.enable()
+    return count
+
+
+def test_the_python_work_of_an_abort_does_not_grow_with_the_queue(tiny_models):
+    # The bug it catches: a Python loop over the queued requests on each abort (a queue rebuilt without
+    # the request, a count of the live ones recomputed, a search of what was aborted since the last step),
+    # quadratic in an abort storm. (A scan in C, deque.remove, test_scheduler.py catches by its comparisons.)
+    engine = LLM(tiny_models["gqa"], block_size=4).engine
+    work = []  # per abort
+    for num_queued in (1_000, 10_000):
+        ids = [engine.add_request(PROMPTS[1], greedy(2)) for _ in range(num_queued)]
+        victims = random.Random(0).sample(ids, num_queued // 10)
+        work += [python_instructions(partial(engine.abort_request, request_id)) for request_id in victims]
+        assert engine.stats()["num_waiting"] == num_queued - len(victims)
+        engine.discard(ids)
+        assert len(engine.step().outputs) == len(victims) and not engine.has_unfinished_requests()
+    # The same for each, whether the queue holds 1,000 or 10,000 requests and whether 0 or 999 went before it.
+    assert min(work) == max(work) > 0
+
+
+def test_survivors_of_an_abort_storm_are_served_as_if_alone(tiny_models):
+    # The bug it catches: an abort that removes, frees or reports the wrong request, or leaves a block
+    # held, when most of the queue goes at once and the rest runs on (some aborted while running).
+    path = tiny_models["gqa"]
+    engine = LLM(path, block_size=4, max_num_seqs=16).engine
+    doomed, params = [], greedy(30)
+    for i, (prompt, max_tokens) in enumerate(zip(PROMPTS, MAX_TOKENS)):  # survivors among the doomed
+        engine.add_request(prompt, greedy(max_tokens), f"survivor {i}")
+        doomed += [engine.add_request(PROMPTS[j % len(PROMPTS)], params) for j in range(1_000)]
+    for _ in range(3):  # some doomed ones run, some are prefilled; the rest wait
+        engine.step()
+    outputs = {}
+    for request_id in random.Random(0).sample(doomed, len(doomed)):
+        outputs[request_id] = engine.abort_request(request_id).token_ids
+    engine.assert_invariants()
+    assert engine.stats()["num_waiting"] + engine.stats()["num_running"] == len(PROMPTS)
+    assert run_to_completion(engine) == outputs | {f"survivor {i}": tokens for i, tokens in enumerate(reference(path))}
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == engine.model_runner.num_blocks - 1
+    assert any(tokens for tokens in outputs.values())  # some were aborted mid-decode
 
 
 def test_finished_requests_free_their_blocks_in_the_same_step(tiny_models):

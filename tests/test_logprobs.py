@@ -34,7 +34,7 @@ def check_position(found: dict, row: torch.Tensor, token: int, num_top: int) -> 
 
 
 @pytest.mark.parametrize("setup", [dict(block_size=4), dict(block_size=4, max_num_batched_tokens=5),
-                                   dict(block_size=4, num_kvcache_blocks=9, max_model_len=24)])
+                                   dict(block_size=4, num_kvcache_blocks=8, max_model_len=24)])
 def test_prompt_and_output_logprobs_equal_transformers(tiny_models, setup):
     """Catches prompt logprobs shifted by one position, rows of a later prefill chunk mapped to the wrong
     tokens, a chunk's rows skipped, rows recollected after a preemption (duplicates), a second request's
@@ -48,9 +48,11 @@ def test_prompt_and_output_logprobs_equal_transformers(tiny_models, setup):
     outputs = llm.generate(prompts, params, use_tqdm=False)
     if "num_kvcache_blocks" in setup:
         assert llm.engine.scheduler.num_preemptions > 0
+    # The repeat shares the first one's prompt logprobs, so it may take the blocks they were computed in
+    assert outputs[0].num_cached_tokens == 0 and outputs[1].num_cached_tokens == 8
     for output in outputs[:2]:
         rows = hf_logprobs(path, output.prompt_token_ids + output.token_ids)
-        assert output.num_cached_tokens == 0 and len(output.prompt_logprobs) == len(output.prompt_token_ids)
+        assert len(output.prompt_logprobs) == len(output.prompt_token_ids)
         assert output.prompt_logprobs[0] is None
         for p, found in enumerate(output.prompt_logprobs[1:], start=1):
             check_position(found, rows[p - 1], output.prompt_token_ids[p], TOP)
@@ -125,6 +127,39 @@ def test_n_completions_are_the_seeded_requests_seed_plus_index(tiny_models):
     assert len({tuple(c.token_ids) for c in both[0].outputs}) == 3
     assert len(both[1].outputs) == 1 and both[1].prompt_token_ids == PROMPTS[2]
     assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.model_runner.num_blocks - 1
+
+
+def test_n_samples_of_an_echoed_prompt_compute_it_once(tiny_models):
+    """Echo with logprobs and n=8 (as the server submits it: n requests, SamplingParams.for_sample): the
+    requests share the prompt logprobs, so the first computes the prompt and the others take its blocks
+    from the prefix cache. Catches: prompt-logprob requests kept off the prefix cache (the prompt
+    computed n times), a hit that skips rows (missing or misplaced ones), rows that differ between the
+    samples or from one request alone, rows computed twice, and samples whose tokens change because they share."""
+    path, n = tiny_models["gqa"], 8
+    prompt = PROMPTS[0] * 3 + [7, 8, 9, 10]  # 43 tokens: 10 full blocks of 4, and 3
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=6, logprobs=2, prompt_logprobs=TOP, n=n)
+    alone = LLM(path, block_size=4).generate(prompt, replace(params, n=1), use_tqdm=False)[0]
+    plain = LLM(path, block_size=4).generate(prompt, replace(params, prompt_logprobs=None), use_tqdm=False)[0]
+    engine = LLM(path, block_size=4).engine
+    ids = [engine.add_request(prompt, params.for_sample(i)) for i in range(n)]
+    outputs, num_prompt_tokens_run, num_rows = {}, 0, 0
+    while engine.has_unfinished_requests():
+        result = engine.step()
+        num_prompt_tokens_run += result.num_prefill_tokens
+        num_rows += result.batch.next_token_ids.numel()  # prompt-logprob rows computed
+        outputs.update((o.request_id, o) for o in result.outputs)
+    # The prompt once; each other sample takes its 10 full blocks from the cache and runs the last 3 tokens,
+    # whose prompt logprobs the first computes: each row once.
+    assert num_prompt_tokens_run == len(prompt) + (n - 1) * 3 and num_rows == len(prompt) - 1
+    assert [outputs[i].num_cached_tokens for i in ids] == [0] + [40] * (n - 1)
+    shared = outputs[ids[0]].prompt_logprobs
+    assert all(outputs[request_id].prompt_logprobs == shared for request_id in ids)  # one computation: bit for bit
+    # As one request alone computes them, up to float32 rounding: its batch (43 tokens, not 64) differs.
+    assert len(shared) == len(alone.prompt_logprobs) == len(prompt) and shared[0] is None
+    for found, want in zip(shared[1:], alone.prompt_logprobs[1:]):
+        assert [(t, lp.rank) for t, lp in found.items()] == [(t, lp.rank) for t, lp in want.items()]
+        assert [lp.logprob for lp in found.values()] == pytest.approx([lp.logprob for lp in want.values()], abs=1e-5)
+    assert [outputs[request_id].token_ids for request_id in ids] == [c.token_ids for c in plain.outputs]
 
 
 @pytest.mark.parametrize("field, value", [("logprobs", MAX_LOGPROBS + 1), ("prompt_logprobs", -1), ("n", 0),

@@ -1,5 +1,8 @@
 """The scheduler on its own, with a fake sampler and no model: the token budget, prefill chunks
 mixed with decodes, preemption by recompute, and the static baseline."""
+import gc
+import random
+
 import pytest
 
 from nanoserve.batch import build_batch
@@ -109,7 +112,7 @@ def test_preempted_request_goes_back_to_the_front_and_newest_is_chosen():
     assert sched.block_manager.num_free_blocks == 0 and sched.num_preemptions == 0
     step(sched)  # old decodes position 6 into a 4th block: none free, so the newest is preempted
     assert new.status is SequenceStatus.WAITING and new.block_table == [] and new.num_computed_tokens == 0
-    assert sched.waiting[0] is new and sched.running == [old]
+    assert list(sched.waiting) == [new] and list(sched.running) == [old]
     assert new.token_ids == [4, 5, 6] + [NEXT_TOKEN] * 4  # its sampled tokens are kept for the recompute
 
 
@@ -206,7 +209,7 @@ def test_a_preempted_request_goes_back_ahead_of_those_already_waiting_and_nothin
     scheduled = step(sched)  # old needs a 4th block: new is preempted
     assert list(sched.waiting) == [new, late]  # first come, first served: new arrived before late
     # A seat and 2 blocks are free now, but a step that preempted admits no one.
-    assert [s for s, _ in scheduled] == [old] and sched.running == [old]
+    assert [s for s, _ in scheduled] == [old] and list(sched.running) == [old]
     assert sched.block_manager.num_free_blocks == 2
 
 
@@ -319,3 +322,47 @@ def test_admission_keeps_blocks_free_for_the_running_requests_next_tokens(monkey
     assert late_waited and sched.num_preemptions == 0
     sched, late_waited = serve(reserve=False)
     assert not late_waited and sched.num_preemptions > 0
+
+
+class ScanDetector(Sequence):
+    """A request that counts the == comparisons made with it, failing the test past a budget. A queue
+    that finds a request by scanning (deque.remove, list.remove, `in` on a list) compares it with
+    every request it passes; a dict finds it by its hash, and identity settles it: no comparison."""
+    budget = float("inf")  # comparisons left
+    __hash__ = Sequence.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        ScanDetector.budget -= 1
+        if ScanDetector.budget < 0:
+            raise AssertionError("a queue was scanned for a request: each abort costs O(queue length)")
+        return self is other
+
+
+def test_an_abort_storm_of_100000_queued_requests_scans_no_queue():
+    # The bug it catches: each abort scans a queue for its request (deque.remove, list.remove), linear
+    # in the queue's length: ~5e9 comparisons for the waiting queue here, an engine frozen for minutes.
+    # Removal by hash compares nothing; scanning even the 200 running requests would compare ~20,000 times.
+    num_running, num_waiting = 200, 100_000
+    sched = make_scheduler(num_blocks=1 + num_running, max_num_seqs=num_running, max_num_batched_tokens=4 * num_running)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    gc.disable()  # the collector's full passes over the 100,000 new requests would take most of the test's time
+    try:
+        seqs = [ScanDetector(str(i), None, [i % 200 + 1, 2, 3, 4], params) for i in range(num_running + num_waiting)]
+        for seq in seqs[:num_running]:
+            sched.add(seq)
+        step(sched)  # 200 running, one block each
+        for seq in seqs[num_running:]:
+            sched.add(seq)
+        doomed = random.Random(0).sample(seqs, len(seqs))  # in any order, as a server's set of ids comes
+        ScanDetector.budget = 1_000
+        for num_aborted, seq in enumerate(doomed, start=1):
+            sched.finish(seq, "abort")
+            if num_aborted == len(doomed) // 2:  # the queues hold only the live requests: stats stay right
+                assert len(sched.waiting) + len(sched.running) == len(doomed) - num_aborted
+                assert len(sched.running) == sum(s.status is SequenceStatus.RUNNING for s in seqs)
+    finally:
+        ScanDetector.budget = float("inf")
+        gc.enable()
+    assert not sched.has_unfinished() and all(s.finish_reason == "abort" for s in seqs)
+    sched.assert_invariants()  # with nothing live, every block is free again
+    assert sched.block_manager.num_free_blocks == num_running
