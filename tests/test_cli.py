@@ -32,7 +32,7 @@ def test_serve_help_and_mistakes(monkeypatch, capsys):
     monkeypatch.setattr(api_server, "LLMEngine", lambda config: pytest.fail("the model was loaded"))
     code, out, _ = run_cli(["serve", "--help"], capsys)
     assert code == 0 and out.startswith("usage: nanoserve serve") and "--max-num-queued-requests" in out
-    assert "running in the engine" in " ".join(out.split())  # its help says it counts running requests too
+    assert "waiting and running" in " ".join(out.split())  # its help says it counts running requests too
     for argv, words in [(["serve", nanoserve.DEFAULT_MODEL, "--bogus"], "nanoserve serve: error: unrecognized"),
                         (["serve", nanoserve.DEFAULT_MODEL, "--block-size", "0"], "block_size"),
                         (["serve"], "model"),
