@@ -8,8 +8,9 @@ import pytest
 
 import nanoserve
 from nanoserve import LLM, LLMEngine, RequestDelta, RequestOutput, SamplingParams
-from nanoserve.async_llm import AsyncLLM, EngineGenerateError, FairQueue, ReplyQueue, StatLogger, Submit
+from nanoserve.async_llm import AsyncLLM, EngineGenerateError, ReplyQueue, StatLogger, Submit
 from nanoserve.config import Config
+from nanoserve.fair_queue import FairQueue
 
 ENGINE = dict(device="cpu", block_size=8, num_kvcache_blocks=25, max_model_len=128)
 PROMPTS = ["It is a truth universally acknowledged", "Mr. Darcy looked at her, and"]
