@@ -2,6 +2,7 @@
 (TCP_NODELAY), no request holds the tokenizer thread or the event loop for long, and the small
 promises (one-line option errors, empty prompts refused, text_offset one frame) hold."""
 import asyncio
+import gc
 import socket
 import statistics
 import threading
@@ -73,6 +74,20 @@ def test_a_port_out_of_range_is_one_line(port, monkeypatch, capsys):
         api_server.main([nanoserve.DEFAULT_MODEL, "--port", port])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and "--port" in err, err
+
+
+# Catches: the server's start-up objects (torch, model, tokenizer) left to the garbage collector, whose
+# full collections, set off by a big body's 200,000 new lists, held the GIL ~0.4 s: `nanoserve serve`
+# freezes them before it serves.
+def test_the_server_freezes_its_start_up_objects_before_serving(monkeypatch):
+    frozen = []
+    monkeypatch.setattr(api_server.uvicorn.Server, "run", lambda self, sockets: frozen.append(gc.get_freeze_count()))
+    gc.unfreeze()
+    try:
+        api_server.main([nanoserve.DEFAULT_MODEL, "--port", "0", "--device", "cpu"])
+    finally:
+        gc.unfreeze()
+    assert frozen and frozen[0] > 10_000, frozen  # the model and torch's modules at least
 
 
 # --- The small ones ------------------------------------------------------------------------------
