@@ -3,6 +3,7 @@
 promises (one-line option errors, empty prompts refused, text_offset one frame) hold."""
 import asyncio
 import gc
+import json
 import socket
 import statistics
 import threading
@@ -15,6 +16,8 @@ from test_serve import KEY, NAME, PROMPTS, events, model_path, offline, post, st
 import nanoserve
 from nanoserve.entrypoints.openai import api_server
 from nanoserve.entrypoints.openai.protocol import Limits
+
+json_loads = json.loads
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +162,25 @@ def test_too_many_prompts_are_refused_before_the_body_is_validated(server, monke
         reply = post(server, "/v1/completions", dict(prompt=prompt, max_tokens=1))
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt", reply.text
         assert f"{too_many} prompts" in reply.json()["error"]["message"]
+
+
+# Catches: a body parsed before its values are counted: json.loads of 200,000 small lists builds 600,000
+# objects holding the GIL (~0.1 s, every stream and /health waiting), only for the request to be refused.
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", lambda serving: dict(prompt=[5] * (serving.max_body_values + 1), max_tokens=1)),
+    ("/v1/chat/completions", lambda serving: dict(messages=[{"role": "user", "content": "a, " * 99}],
+                                                  stop_token_ids=[5] * serving.max_body_values)),
+    ("/detokenize", lambda serving: dict(tokens=[5] * (max(Limits().max_detokenize_tokens, 128) + 100))),
+])
+def test_a_body_with_too_many_values_is_refused_before_it_is_parsed(server, monkeypatch, path, body):
+    from nanoserve.entrypoints.openai import protocol
+    content = json.dumps(body(server.serving)).encode()
+    assert len(content) < server.serving.limits.max_body_bytes  # refused for its values, not its bytes
+    parsed = []
+    monkeypatch.setattr(protocol.json, "loads", lambda raw: parsed.append(raw) or json_loads(raw))
+    reply, was_parsed = post(server, path, content), list(parsed)
+    assert reply.status_code == 413 and "values" in reply.text and not was_parsed, reply.text
+    assert post(server, "/tokenize", dict(prompt="Mr. Darcy, a, b")).status_code == 200 and parsed
 
 
 # Catches: token strings for logprobs decoded on the tokenizer thread, where they queued behind any long

@@ -69,7 +69,7 @@ HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's head 
 async def tokenize_text(request: Request) -> Response:
     """vLLM's /tokenize: {count, max_model_len, tokens, token_strs if return_token_strs}."""
     serving: Serving = request.app.state.serving
-    body = parse(TokenizeBody, await read_json(request, serving.limits.max_body_bytes))
+    body = parse(TokenizeBody, await read_json(request, serving.limits.max_body_bytes, serving.max_body_values))
     serving.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError("give either prompt or messages", param="prompt")
@@ -97,8 +97,8 @@ async def detokenize_tokens(request: Request) -> Response:
     """vLLM's /detokenize: {"prompt": the tokens' text}. The tokens are counted before the body is
     checked: validating 1.6 million ids alone held the event loop for a second."""
     serving: Serving = request.app.state.serving
-    raw = await read_json(request, serving.limits.max_body_bytes)
     limit = max(serving.limits.max_detokenize_tokens, serving.max_model_len)
+    raw = await read_json(request, serving.limits.max_body_bytes, limit + 64)
     if isinstance(raw.get("tokens"), list) and len(raw["tokens"]) > limit:
         raise APIError(f"tokens has {len(raw['tokens'])} ids, more than this server decodes at once ({limit})",
                        param="tokens")

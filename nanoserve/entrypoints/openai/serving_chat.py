@@ -82,7 +82,7 @@ class ChatAPI(Formatter):
 async def create_chat_completion(request: Request) -> Response:
     arrival_time = time.perf_counter()
     serving: Serving = request.app.state.serving
-    body = parse(ChatBody, await read_json(request, serving.limits.max_body_bytes))
+    body = parse(ChatBody, await read_json(request, serving.limits.max_body_bytes, serving.max_body_values))
     serving.check_chat_template()
     messages = template_messages(body.messages)
     serving.check_request_bytes([m["content"] for m in messages], "messages")

@@ -177,6 +177,10 @@ class Serving:
         # All of one request's prompts (or messages) together: at least what one prompt may hold. Without
         # it, three 2.6 MB prompts (each under SmolLM2's bound) held the tokenizer thread for 7 s.
         self.max_request_prompt_bytes = max(limits.max_request_prompt_bytes, self.max_prompt_bytes)
+        # Values (commas) in one body, counted before it is parsed: twice the tokens that one request's
+        # completions can hold (a comma is at least half a token of text, or one token id), and room for the
+        # rest of the body. A 200,000-prompt body is refused without building its 600,000 objects.
+        self.max_body_values = 2 * limits.max_completions_per_request * self.max_model_len + 4096
         if self.tokenizer is not None:  # the first encode may reset truncation/padding settings: not while the
             self.tokenizer.encode("")   # engine thread decodes with the same tokenizer ("Already borrowed")
 
