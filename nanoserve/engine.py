@@ -5,7 +5,7 @@
 Requests can be added and aborted between any two steps. Each step streams a `RequestDelta` for
 every request that sampled a token (its new text is settled: see detokenizer.py) and reports the
 requests that finished (outputs.py). Its front ends are `LLM` (llm.py), offline, and `AsyncLLM`
-(async_llm.py), for asyncio, which the HTTP server (entrypoints/openai/) is built on; as vLLM's.
+(entrypoints/async_llm.py), for asyncio, which the HTTP server (entrypoints/openai/) is built on; as vLLM's.
 
 Not thread-safe: one thread owns an engine and makes every call on it (add_request, step,
 abort_request). Two threads in `step()` corrupt the bookkeeping, and an abort that lands inside a

@@ -1,4 +1,4 @@
-"""AsyncLLM (nanoserve/async_llm.py) from plain asyncio, no HTTP, on the bundled model: what it
+"""AsyncLLM (nanoserve/entrypoints/async_llm.py) from plain asyncio, no HTTP, on the bundled model: what it
 streams equals LLM.generate offline, requests run together, and an abort frees the KV cache."""
 import asyncio
 import contextlib
@@ -8,9 +8,9 @@ import pytest
 
 import nanoserve
 from nanoserve import LLM, LLMEngine, RequestDelta, RequestOutput, SamplingParams
-from nanoserve.async_llm import AsyncLLM, EngineGenerateError, ReplyQueue, StatLogger, Submit
 from nanoserve.config import Config
-from nanoserve.fair_queue import FairQueue
+from nanoserve.entrypoints.async_llm import AsyncLLM, EngineGenerateError, ReplyQueue, StatLogger, Submit
+from nanoserve.entrypoints.fair_queue import FairQueue
 
 ENGINE = dict(device="cpu", block_size=8, num_kvcache_blocks=25, max_model_len=128)
 PROMPTS = ["It is a truth universally acknowledged", "Mr. Darcy looked at her, and"]

@@ -1,2 +1,3 @@
-"""What a user starts from the shell: the `nanoserve` command (cli.py) and the OpenAI-compatible
-server (openai/), as vLLM's entrypoints. The engine itself knows nothing of them."""
+"""The ways in besides `LLM` (llm.py), as vLLM's entrypoints: the asyncio front end (async_llm.py: the
+engine on a thread of its own, and fair_queue.py), the OpenAI-compatible server built on it (openai/),
+and the `nanoserve` command (cli.py). The engine itself knows nothing of them."""

@@ -7,5 +7,5 @@
 - streaming.py: a request's Generation, its response whole or streamed, and clients that leave;
 - metrics.py: Prometheus metrics with vLLM's names.
 
-The engine thread and its queues are nanoserve/async_llm.py's (AsyncLLM), which knows nothing of HTTP.
+The engine thread and its queues are entrypoints/async_llm.py's (AsyncLLM), which knows nothing of HTTP.
 """

@@ -16,7 +16,7 @@ import functools
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from nanoserve.async_llm import StatLogger
+from nanoserve.entrypoints.async_llm import StatLogger
 from nanoserve.outputs import RequestOutput, StepResult
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from nanoserve import LLMEngine, RequestDelta, RequestOutput, SamplingParams
-from nanoserve.async_llm import AsyncLLM
+from nanoserve.entrypoints.async_llm import AsyncLLM
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.protocol import APIError, Limits, SamplingBody, given, shorten
 from nanoserve.sampler import InvalidRequest, Logprob

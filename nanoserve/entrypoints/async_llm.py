@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from nanoserve.engine import LLMEngine
-from nanoserve.fair_queue import FairQueue
+from nanoserve.entrypoints.fair_queue import FairQueue
 from nanoserve.outputs import CompletionOutput, RequestDelta, RequestOutput, StepResult
 from nanoserve.sampler import SamplingParams
 

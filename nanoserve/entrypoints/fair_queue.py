@@ -10,7 +10,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # types only: async_llm.py imports this module
-    from nanoserve.async_llm import ReplyQueue, Submit
+    from nanoserve.entrypoints.async_llm import ReplyQueue, Submit
 
 
 class FairQueue:
