@@ -184,11 +184,13 @@ def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torc
     rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
     k = torch.tensor(top_k, device=probs.device)[:, None]
     p = torch.tensor(top_p, device=probs.device)[:, None]
-    # Keep a token if it is among the top k and the mass before it is still below top_p. The most
-    # likely token is kept by name: a tiny top_p (5e-324) is 0 in float32, and "mass before < 0"
-    # would keep nothing, leaving an all-zero row whose argmax is token 0.
+    # Keep a token if it is among the top k and the mass before it is still below top_p of the top k's
+    # mass (top-p applies to the top k renormalized, as in vLLM and transformers). The most likely token
+    # is kept by name: a tiny top_p (5e-324) is 0 in float32, and "mass before < 0" would keep nothing,
+    # leaving an all-zero row whose argmax is token 0.
+    sorted_probs = sorted_probs * (rank < k)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep = (rank < k) & ((mass_before < p) | (rank == 0))
+    keep = (mass_before < p * sorted_probs.sum(dim=-1, keepdim=True)) | (rank == 0)
     sorted_probs = sorted_probs * keep
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
