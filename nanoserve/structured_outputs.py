@@ -48,8 +48,8 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
         require(len(given) == 1, "structured_outputs", given, "one of json, regex, choice, grammar, json_object")
-        require(self.json is None or isinstance(self.json, (dict, str)), "structured_outputs", self.json,
-                "a json schema as a dict or a str")
+        require(self.json is None or isinstance(self.json, dict) or is_json(self.json), "structured_outputs",
+                self.json, "a json schema as a dict or a str of JSON")
         for name in ("regex", "grammar"):
             require(getattr(self, name) is None or isinstance(getattr(self, name), str), "structured_outputs",
                     getattr(self, name), f"a str {name}")
@@ -64,6 +64,13 @@ class StructuredOutputsParams:
         """The spec as one string: the cache's key."""
         spec = json.loads(self.json) if isinstance(self.json, str) else self.json
         return json.dumps([spec, self.regex, self.choice, self.grammar, self.json_object], sort_keys=True)
+
+
+def is_json(text: object) -> bool:
+    try:
+        return isinstance(text, str) and isinstance(json.loads(text), (dict, bool))
+    except ValueError:
+        return False
 
 
 def parse_grammar(spec: StructuredOutputsParams) -> Any:
