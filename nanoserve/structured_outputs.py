@@ -76,7 +76,11 @@ def is_json(text: object) -> bool:
 def parse_grammar(spec: StructuredOutputsParams) -> Any:
     """The spec as an xgrammar Grammar; a spec xgrammar rejects is an InvalidRequest naming structured_outputs.
     JSON has no free whitespace: a model that never saw JSON would pad it with spaces forever."""
-    import xgrammar as xgr  # here: importing it takes seconds, and only structured outputs need it
+    try:  # imported here: it takes seconds, and only structured outputs need it
+        import xgrammar as xgr
+    except ImportError:
+        raise InvalidRequest("structured_outputs", "structured_outputs needs xgrammar: "
+                                                   "pip install 'nanoserve[structured]'") from None
     try:
         if spec.json is not None:
             return xgr.Grammar.from_json_schema(spec.json, any_whitespace=False)
