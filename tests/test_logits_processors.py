@@ -2,7 +2,13 @@
 against transformers where it has the same thing, else against a small reference loop."""
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (
+    AutoModelForCausalLM,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from nanoserve import DEFAULT_MODEL, LLM, SamplingParams
 from nanoserve.logits_processors import process_logits
@@ -54,6 +60,24 @@ def test_frequency_and_presence_penalties_match_a_reference_loop(llm, tiny_model
     got = greedy_with(llm, frequency_penalty=frequency, presence_penalty=presence)
     assert got == expected
     assert got != greedy_with(llm)
+
+
+def test_penalties_follow_their_formulas_row_by_row():
+    # On logits of both signs (a model's argmax rarely meets a negative one). Catches: a negative logit divided
+    # by the repetition penalty (it would get more likely), prompt tokens counted by frequency or presence,
+    # presence scaled by the count, one row's penalties on another row.
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0)) * 2
+    kinds = [dict(repetition_penalty=1.5), dict(frequency_penalty=1.0, presence_penalty=0.5), dict()]
+    seqs = [Sequence(str(i), None, [3, 3, 4, 7], SamplingParams(**kind)) for i, kind in enumerate(kinds)]
+    for seq in seqs:
+        for token in [4, 5, 5, 8]:
+            seq.append_token(token)
+    processed = process_logits(logits, seqs, set())
+    history = torch.tensor([seqs[0].token_ids])
+    torch.testing.assert_close(processed[0:1], RepetitionPenaltyLogitsProcessor(1.5)(history, logits[0:1].clone()))
+    counts = torch.bincount(torch.tensor([4, 5, 5, 8]), minlength=10).float()
+    torch.testing.assert_close(processed[1], logits[1] - 1.0 * counts - 0.5 * (counts > 0))
+    assert torch.equal(processed[2], logits[2])
 
 
 @pytest.mark.parametrize("min_p", [0.05, 0.3, 0.9])
