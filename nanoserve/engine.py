@@ -93,12 +93,9 @@ class LLMEngine:
         if len(token_ids) > self.max_model_len:
             raise InvalidRequest("prompt", f"prompt has {len(token_ids)} tokens, more than "
                                            f"max_model_len={self.max_model_len}")
-        if bad := [t for t in params.stop_token_ids or () if t >= self.vocab_size]:
-            raise InvalidRequest("stop_token_ids", f"stop_token_ids {bad[:5]} are outside "
-                                                   f"[0, vocab_size={self.vocab_size})")
-        if bad := [t for t in params.logit_bias or () if t >= self.vocab_size]:
-            raise InvalidRequest("logit_bias", f"logit_bias token ids {bad[:5]} are outside "
-                                               f"[0, vocab_size={self.vocab_size})")
+        for name, ids in ("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or ()):
+            if bad := [t for t in ids if t >= self.vocab_size]:
+                raise InvalidRequest(name, f"{name} {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
         detokenizer = Detokenizer(self.tokenizer, params.stop or (), params.include_stop_str_in_output,
                                   params.min_tokens) if self.tokenizer else None
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
