@@ -1,12 +1,14 @@
 """xgrammar against llguidance on one model's tokenizer (docs/structured-outputs.md, "Why xgrammar"): the time
 to read the vocabulary, to compile a typical JSON schema, and to fill one request's token mask at each step of
-a valid answer (mean and worst step). One thread each.
+a valid answer (mean and worst step). One thread each. Then, for xgrammar, the longest pause of the main
+thread while another thread reads the vocabulary or compiles (does it hold the GIL?).
 
     pip install xgrammar llguidance
     python scripts/compare_grammar_libraries.py build/smollm2
 """
 import json
 import sys
+import threading
 import time
 
 import llguidance
@@ -40,6 +42,18 @@ def mask_times(fill, accept, token_ids: list[int]) -> str:
     return f"mask per step: mean {1e6 * sum(times) / len(times):.0f} us, worst {1e6 * max(times):.0f} us"
 
 
+def longest_pause(work) -> str:
+    """Run `work` in a thread; meanwhile the main thread ticks every millisecond: its longest gap."""
+    thread, gaps, last = threading.Thread(target=work), [], time.perf_counter()
+    thread.start()
+    while thread.is_alive():
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+        time.sleep(0.001)
+    return f"{1000 * max(gaps):.1f} ms"
+
+
 def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
     vocab_size = len(tokenizer)
@@ -65,6 +79,10 @@ def main() -> None:
     ll_bitmask = llguidance.torch.allocate_token_bitmask(1, ll_tokenizer.vocab_size)
     times = mask_times(lambda: llguidance.torch.fill_next_token_bitmask(ll_matcher, ll_bitmask, 0),
                        ll_matcher.consume_token, token_ids)
+    other = xgr.Grammar.from_json_schema(SCHEMA | {"required": ["name"]})
+    print(f"xgrammar in a thread: the main thread's longest pause while it reads the vocabulary "
+          f"{longest_pause(lambda: xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))}, "
+          f"while it compiles {longest_pause(lambda: compiler.compile_grammar(other))}")
     print(f"llguidance: vocabulary {vocabulary}, compile {compiled} (it compiles lazily, as it goes), {times}")
 
 
