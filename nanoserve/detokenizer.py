@@ -60,10 +60,11 @@ class Detokenizer:
 
 
 def advance(s: str, table: list[int], k: int, new: str) -> int:
-    """s[:k] ends a text; the length of s's longest beginning that ends the text + new (k < len(s))."""
+    """s[:k] ends a text; the length of s's longest beginning that ends the text + new (k <= len(s): all of s
+    ends it when the stop string came before min_tokens, and did not count)."""
     for char in new:
-        while k == len(s) or k and s[k] != char:  # s[:k] cannot grow by char (or is all of s, before min_tokens):
-            # fall back to its longest end that begins s
+        # s[:k] cannot grow by char (or is all of s): fall back to its longest end that begins s
+        while k == len(s) or k and s[k] != char:
             k = table[k - 1]
         k += s[k] == char
     return k
