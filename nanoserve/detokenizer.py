@@ -18,7 +18,8 @@ from transformers import PreTrainedTokenizerBase
 class Detokenizer:
     """`text` is the output decoded so far; its first `num_sent` characters were streamed."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...], include_stop: bool = False,
+                 min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stream = DecodeStream(skip_special_tokens=True)  # decodes the output, never the prompt
         self.stop = stop
@@ -26,18 +27,22 @@ class Detokenizer:
         self.matched = [0] * len(stop)  # per stop string: the length of its longest beginning that ends text
         self.text = ""
         self.num_sent = 0
-        self.stopped = False  # text was cut before a stop string: it is final
+        self.stopped = False  # text was cut before a stop string (after it, with include_stop): it is final
+        self.include_stop = include_stop
+        self.tokens_to_skip = min_tokens  # stop strings count from the min_tokens-th token's text on (as vLLM's)
 
     def add(self, token: int) -> bool:
         """Decode one more token; True if the text now holds a stop string. It is cut before the
         one that starts first, of those that end in this token's text."""
         old_len, new = len(self.text), self.stream.step(self.tokenizer.backend_tokenizer, token) or ""
         self.text += new
+        self.tokens_to_skip -= 1
         # A stop string absent before this token must end in its new text: search only there.
-        found = [i for s in self.stop if (i := self.text.find(s, max(old_len - len(s) + 1, 0))) >= 0]
-        if found:
-            self.text, self.stopped = self.text[:min(found)], True
-        else:  # no stop string is whole, so each match stays shorter than its stop string
+        found = [(i, len(s)) for s in self.stop if (i := self.text.find(s, max(old_len - len(s) + 1, 0))) >= 0]
+        if found and self.tokens_to_skip <= 0:
+            start, length = min(found)
+            self.text, self.stopped = self.text[:start + length * self.include_stop], True
+        else:  # no stop string counts (yet): the matches follow the text
             self.matched = [advance(s, table, k, new) for s, table, k in zip(self.stop, self.tables, self.matched)]
         return self.stopped
 
@@ -55,9 +60,11 @@ class Detokenizer:
 
 
 def advance(s: str, table: list[int], k: int, new: str) -> int:
-    """s[:k] ends a text; the length of s's longest beginning that ends the text + new (k < len(s))."""
+    """s[:k] ends a text; the length of s's longest beginning that ends the text + new (k <= len(s): all of s
+    ends it when the stop string came before min_tokens, and did not count)."""
     for char in new:
-        while k and s[k] != char:  # s[:k] cannot grow by char: fall back to its longest end that begins s
+        # s[:k] cannot grow by char (or is all of s): fall back to its longest end that begins s
+        while k == len(s) or k and s[k] != char:
             k = table[k - 1]
         k += s[k] == char
     return k

@@ -28,6 +28,7 @@ from nanoserve.parallel import TensorParallelRunner
 from nanoserve.sampler import InvalidRequest, SamplingParams, require
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
+from nanoserve.structured_outputs import GrammarCompiler, wait_for_grammars
 from nanoserve.tokenizer import load_tokenizer, read_eos_token_ids, tokenize
 
 
@@ -63,6 +64,7 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(config.model)
             eos_token_ids = read_eos_token_ids(config.model, hf_config)
             self.scheduler = Scheduler(config, num_blocks, self.block_size, self.max_model_len, eos_token_ids)
+            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids)
             self.requests: dict[str, Sequence] = {}  # unfinished requests by id
             self.aborted: list[RequestOutput] = []   # aborted since the last step, reported by the next
             self.request_counter = itertools.count()
@@ -91,11 +93,13 @@ class LLMEngine:
         if len(token_ids) > self.max_model_len:
             raise InvalidRequest("prompt", f"prompt has {len(token_ids)} tokens, more than "
                                            f"max_model_len={self.max_model_len}")
-        if bad := [t for t in params.stop_token_ids or () if t >= self.vocab_size]:
-            raise InvalidRequest("stop_token_ids", f"stop_token_ids {bad[:5]} are outside "
-                                                   f"[0, vocab_size={self.vocab_size})")
-        detokenizer = Detokenizer(self.tokenizer, params.stop or ()) if self.tokenizer else None
-        seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, detokenizer)
+        for name, ids in ("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or ()):
+            if bad := [t for t in ids if t >= self.vocab_size]:
+                raise InvalidRequest(name, f"{name} {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
+        detokenizer = Detokenizer(self.tokenizer, params.stop or (), params.include_stop_str_in_output,
+                                  params.min_tokens) if self.tokenizer else None
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
+        seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, detokenizer, grammar)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self.requests[request_id] = seq
@@ -145,6 +149,8 @@ class LLMEngine:
         """One turn of continuous batching: schedule -> build_batch -> forward + sample -> update.
         Every unfinished request whose turn it is gets its next prefill chunk or decode token."""
         aborted, self.aborted = self.aborted, []
+        if not self.scheduler.running:  # nothing else to run while grammars compile
+            wait_for_grammars(list(self.scheduler.waiting))
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self.has_unfinished_requests():

@@ -14,10 +14,12 @@ from nanoserve.batch import Batch, build_batch, prompt_logprob_positions, sample
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config, cdiv
 from nanoserve.device import free_memory, resolve_dtype
 from nanoserve.distributed import Shard, broadcast_from_rank0
+from nanoserve.logits_processors import process_logits
 from nanoserve.models import get_head_dim
 from nanoserve.models.loader import load_model, read_config
 from nanoserve.sampler import Logprob, SamplerOutput, SamplingParams, sample, top_logprobs
 from nanoserve.sequence import Sequence
+from nanoserve.tokenizer import read_eos_token_ids
 
 
 class ModelRunner:
@@ -42,6 +44,7 @@ class ModelRunner:
             raise ValueError(f"num_kvcache_blocks={self.num_blocks} needs {needed / 2**30:.2f} GiB for the KV cache, "
                              f"but only {available / 2**30:.2f} GiB of {device.type} memory is free")
         self.kv_cache = self.allocate_kv_cache(self.num_blocks)
+        self.eos_token_ids = read_eos_token_ids(config.model, read_config(config.model))  # min_tokens bans them
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """[2 (k and v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]: flash-attn's paged
@@ -96,7 +99,8 @@ class ModelRunner:
             return SamplerOutput([], [], [])
         seqs = [seq for seq, num_new in scheduled if samples_now(seq, num_new)]
         sampling, prompt_rows = logits[:len(seqs)], logits[len(seqs):]  # [S, vocab], [P, vocab]
-        token_ids = sample(sampling, [s.params for s in seqs], [s.num_tokens - s.num_prompt_tokens for s in seqs])
+        processed = process_logits(sampling, seqs, self.eos_token_ids)  # penalties, grammars...: logits_processors.py
+        token_ids = sample(processed, [s.params for s in seqs], [s.num_tokens - s.num_prompt_tokens for s in seqs])
         logprobs: list[dict[int, Logprob] | None] = [None] * len(seqs)
         rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
         if rows:

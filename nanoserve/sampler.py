@@ -11,9 +11,13 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from nanoserve.structured_outputs import StructuredOutputsParams
 
 # Top logprobs per token, at most: OpenAI's limit, and vLLM's default max_logprobs.
 MAX_LOGPROBS = 20
@@ -41,6 +45,15 @@ class SamplingParams:
     # Logprobs, from the model's raw logits (before temperature, top-k and top-p: vLLM V1's choice).
     logprobs: int | None = None         # of each output token, with the N most likely (0 <= N <= 20)
     prompt_logprobs: int | None = None  # of each prompt token but the first, likewise (computed once per prompt)
+    # What else changes the logits, as vLLM names it: logits_processors.py applies and checks these.
+    repetition_penalty: float = 1.0  # > 0 (1: off), on prompt and output tokens: divides a positive logit
+    frequency_penalty: float = 0.0   # in [-2, 2]: subtracted once per occurrence in the output
+    presence_penalty: float = 0.0    # in [-2, 2]: subtracted once if in the output
+    min_p: float = 0.0               # in [0, 1]: drop tokens less likely than min_p x the most likely one's
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)  # token id -> added to its logit
+    min_tokens: int = 0              # no EOS, stop token or stop string before this many output tokens
+    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output follows: structured_outputs.py
 
     def __post_init__(self) -> None:
         t, p, k, m, stop, seed = (self.temperature, self.top_p, self.top_k, self.max_tokens,
@@ -60,6 +73,8 @@ class SamplingParams:
         strings = (self.stop,) if isinstance(self.stop, str) else self.stop
         ok = strings is None or isinstance(strings, (list, tuple)) and all(isinstance(s, str) and s for s in strings)
         require(ok, "stop", self.stop, "None, a non-empty str or a list of non-empty strs")
+        from nanoserve.logits_processors import check_params  # here: logits_processors imports this module
+        check_params(self)
         # Store plain Python values (a numpy scalar becomes a float or an int) and a tuple, so the
         # params hash like any frozen dataclass; frozen, so through object.__setattr__.
         plain = dict(temperature=float(t), top_p=float(p), top_k=int(k), max_tokens=int(m),
@@ -127,7 +142,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
     # Greedy rows divide by 1: their draw is thrown away below, but must not overflow meanwhile.
     temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, is_greedy)],
                                device=logits.device)                           # [S]
-    probs = apply_top_k_top_p(torch.softmax(logits / temperature[:, None], dim=-1), params)
+    probs = apply_top_k_top_p(apply_min_p(torch.softmax(logits / temperature[:, None], dim=-1), params), params)
     # Gumbel-style draw: argmax(probs / Exp(1) noise) is a sample from probs. A seeded request's
     # noise for its n-th token comes from a generator seeded by (seed, n) alone, so its tokens are
     # the same in any batch, and after a preemption; the others share the global generator.
@@ -148,6 +163,16 @@ def noise_seed(seed: int, n: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed},{n}".encode()).digest()[:8], "little")
 
 
+def apply_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Zero the probabilities below min_p x their row's largest, and renormalize (vLLM applies min_p before
+    top-k and top-p); probs [S, vocab]."""
+    if not any(p.min_p for p in params):
+        return probs
+    min_p = torch.tensor([p.min_p for p in params], device=probs.device)[:, None]      # [S, 1]
+    probs = probs * (probs >= min_p * probs.amax(dim=-1, keepdim=True))                # the largest always stays
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
 def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Zero the probabilities outside each row's top-k and top-p set; probs [S, vocab]."""
     # A top_k beyond the vocabulary keeps everything (and would not fit a torch int64).
@@ -159,11 +184,13 @@ def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torc
     rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
     k = torch.tensor(top_k, device=probs.device)[:, None]
     p = torch.tensor(top_p, device=probs.device)[:, None]
-    # Keep a token if it is among the top k and the mass before it is still below top_p. The most
-    # likely token is kept by name: a tiny top_p (5e-324) is 0 in float32, and "mass before < 0"
-    # would keep nothing, leaving an all-zero row whose argmax is token 0.
+    # Keep a token if it is among the top k and the mass before it is still below top_p of the top k's
+    # mass (top-p applies to the top k renormalized, as in vLLM and transformers). The most likely token
+    # is kept by name: a tiny top_p (5e-324) is 0 in float32, and "mass before < 0" would keep nothing,
+    # leaving an all-zero row whose argmax is token 0.
+    sorted_probs = sorted_probs * (rank < k)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep = (rank < k) & ((mass_before < p) | (rank == 0))
+    keep = (mass_before < p * sorted_probs.sum(dim=-1, keepdim=True)) | (rank == 0)
     sorted_probs = sorted_probs * keep
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 

@@ -124,8 +124,7 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         # Static batching, difference 2 of 4: the whole batch is admitted at once, even past the token
         # budget (their prompts then run in chunks over the next steps).
-        while self.waiting and (budget > 0 or static) and len(self.running) < self.config.max_num_seqs:
-            seq = next(iter(self.waiting))
+        while (seq := self.next_ready()) and (budget > 0 or static) and len(self.running) < self.config.max_num_seqs:
             # Blocks enter the prefix cache when the step that fills them is scheduled: a request
             # admitted after another in this step shares the blocks that one fills (block_manager.py).
             max_hit = self.max_cache_hit(seq, chain(planned, scheduled))
@@ -147,6 +146,11 @@ class Scheduler:
                 scheduled.append((seq, num_new))
                 budget -= num_new
         return scheduled
+
+    def next_ready(self) -> Sequence | None:
+        """The first waiting request that can run: one whose grammar is still compiling (structured_outputs.py)
+        waits, without holding up those behind it."""
+        return next((seq for seq in self.waiting if seq.grammar is None or seq.grammar.ready), None)
 
     def max_cache_hit(self, seq: Sequence, planned: Iterable[ScheduledSeq]) -> int | None:
         """How many of seq's tokens a prefix-cache hit may cover (None: any). With prompt logprobs, only
@@ -220,6 +224,8 @@ class Scheduler:
         if token in self.eos_token_ids and not params.ignore_eos:
             return "stop"
         if token in (params.stop_token_ids or ()) or (seq.detokenizer is not None and seq.detokenizer.stopped):
+            return "stop"
+        if seq.grammar is not None and seq.grammar.is_terminated:  # its stop token, even with ignore_eos
             return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -12,6 +12,7 @@ import time
 
 from nanoserve.detokenizer import Detokenizer
 from nanoserve.sampler import Logprob, SamplingParams
+from nanoserve.structured_outputs import RequestGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -24,7 +25,8 @@ class Sequence:
     """One request. `token_ids` grows by one sampled token per decode step."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, detokenizer: Detokenizer | None = None) -> None:
+                 params: SamplingParams, detokenizer: Detokenizer | None = None,
+                 grammar: RequestGrammar | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
@@ -44,6 +46,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.detokenizer = detokenizer                   # the output text; None without a tokenizer
+        self.grammar = grammar                           # with structured_outputs: structured_outputs.py
         self.logprobs: list[dict[int, Logprob]] = []     # per output token, with params.logprobs
         # Per prompt token, with params.prompt_logprobs; shared by the requests with the same prompt (scheduler.py)
         self.prompt_logprobs: list[dict[int, Logprob] | None] = [None]
@@ -57,6 +60,8 @@ class Sequence:
             self.first_token_time = time.perf_counter()
         if self.detokenizer is not None:
             self.detokenizer.add(token)
+        if self.grammar is not None:
+            self.grammar.accept(token)
 
     def finish(self, reason: str) -> None:
         """Finished ("stop", "length") or aborted ("abort"): the text gets its final form."""

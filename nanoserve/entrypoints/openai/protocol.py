@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nanoserve.entrypoints.async_llm import EngineDeadError, EngineGenerateError
 from nanoserve.sampler import MAX_LOGPROBS
@@ -93,6 +93,28 @@ class StreamOptions(Strict):
     include_usage: bool | None = True  # as vLLM: stream_options without include_usage includes it
 
 
+class JsonSchema(Strict):
+    name: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")  # `schema` is a BaseModel attribute
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(Strict):
+    """OpenAI's: {"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", "json_schema": {...}}."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputsBody(Strict):
+    """vLLM's structured_outputs extra: one of these (StructuredOutputsParams)."""
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingBody(Strict):
     """The fields /v1/completions and /v1/chat/completions share."""
     model: str | None = None
@@ -108,6 +130,15 @@ class SamplingBody(Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id: accepted, unused
     n: int | None = None     # completions of each prompt
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extras: repetition_penalty, min_p, min_tokens,
+    min_p: float | None = None               # include_stop_str_in_output, structured_outputs
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias in [-100, 100]
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
 
 class CompletionBody(SamplingBody):
@@ -149,17 +180,15 @@ class DetokenizeBody(Strict):
     tokens: list[int]
 
 
-BODIES = (CompletionBody, ChatBody, Message, ContentPart, StreamOptions, TokenizeBody, DetokenizeBody)
+BODIES = (CompletionBody, ChatBody, Message, ContentPart, StreamOptions, TokenizeBody, DetokenizeBody, ResponseFormat,
+          JsonSchema, StructuredOutputsBody)
 FIELDS = {name for body in BODIES for name in body.model_fields}
 # Fields this server does not support -> the values that mean "not used", which it accepts. A body that
 # declares one of them (CompletionBody.echo) supports it.
 UNSUPPORTED = {
     "n": (1, None), "best_of": (1, None), "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False, None),
-    "prompt_logprobs": (None,), "suffix": (None, ""), "logit_bias": (None, {}), "min_tokens": (0, None),
-    "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
-    "min_p": (0, 0.0, None), "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
-    "use_beam_search": (False, None), "include_stop_str_in_output": (False, None),
+    "prompt_logprobs": (None,), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "use_beam_search": (False, None),
 }
 BodyT = TypeVar("BodyT", bound=BaseModel)
 

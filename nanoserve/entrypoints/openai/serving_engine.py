@@ -26,6 +26,7 @@ from nanoserve.entrypoints.async_llm import AsyncLLM
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.protocol import APIError, Limits, SamplingBody, given, shorten
 from nanoserve.sampler import InvalidRequest, Logprob
+from nanoserve.structured_outputs import StructuredOutputsParams, parse_grammar
 
 T = TypeVar("T")
 
@@ -143,13 +144,62 @@ def sampling_params(body: SamplingBody, api: API, max_tokens: int | None, limits
     if any(len(s) > limits.max_stop_chars for s in stop):
         raise APIError(f"a stop string is longer than {limits.max_stop_chars} characters, this server's limit",
                        param="stop")
-    try:
+    min_tokens = given(body.min_tokens, 0)
+    try:  # max_tokens None is settled later: until then at least min_tokens
         return SamplingParams(temperature=given(body.temperature, 1.0), top_p=given(body.top_p, 1.0),
-                              top_k=given(body.top_k, 0), max_tokens=given(max_tokens, 1), stop=stop or None,
-                              stop_token_ids=body.stop_token_ids or None, seed=body.seed,
-                              ignore_eos=bool(body.ignore_eos), n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                              top_k=given(body.top_k, 0), max_tokens=given(max_tokens, max(1, min_tokens)),
+                              stop=stop or None, stop_token_ids=body.stop_token_ids or None, seed=body.seed,
+                              ignore_eos=bool(body.ignore_eos), n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              frequency_penalty=given(body.frequency_penalty, 0.0),
+                              presence_penalty=given(body.presence_penalty, 0.0),
+                              repetition_penalty=given(body.repetition_penalty, 1.0), min_p=given(body.min_p, 0.0),
+                              logit_bias=logit_bias(body.logit_bias), min_tokens=min_tokens,
+                              include_stop_str_in_output=bool(body.include_stop_str_in_output),
+                              structured_outputs=structured_outputs(body))
     except InvalidRequest as error:
-        raise APIError(str(error), param=error.param) from None
+        raise APIError(str(error), param=grammar_field(body) if error.param == "structured_outputs" else error.param) \
+            from None
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, {"token id": bias}, as SamplingParams takes it; biases clamped to [-100, 100] as
+    vLLM does. Ids past the vocabulary are refused by add_request."""
+    if not bias:
+        return None
+    if bad := [key for key in bias if not key.isdigit()]:
+        raise APIError(f"logit_bias keys must be token ids, got {shorten(repr(bad[:5]))}", param="logit_bias")
+    return {int(key): min(100.0, max(-100.0, value)) for key, value in bias.items()}
+
+
+def grammar_field(body: SamplingBody) -> str:
+    """The field that asked for structured outputs: an error about the grammar names it."""
+    return "structured_outputs" if body.structured_outputs is not None else "response_format"
+
+
+def structured_outputs(body: SamplingBody) -> StructuredOutputsParams | None:
+    """vLLM's structured_outputs extra, else OpenAI's response_format (json_object or json_schema), else None."""
+    if body.structured_outputs is not None:
+        spec = body.structured_outputs
+        return StructuredOutputsParams(json=spec.json_, regex=spec.regex, choice=spec.choice, grammar=spec.grammar,
+                                       json_object=spec.json_object)
+    response_format = body.response_format
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+        raise APIError("response_format of type json_schema needs json_schema.schema", param="response_format")
+    return StructuredOutputsParams(json=response_format.json_schema.schema_)
+
+
+def check_grammar(params: SamplingParams, field: str) -> None:
+    """In the tokenizer thread, before the request is submitted: a grammar xgrammar rejects is a 400 naming
+    `field` (and the engine thread never waits for xgrammar's first import)."""
+    if params.structured_outputs is not None:
+        try:
+            parse_grammar(params.structured_outputs)
+        except InvalidRequest as error:
+            raise APIError(f"{field}: {error}", param=field) from None
 
 
 class Serving:
@@ -270,4 +320,7 @@ class Serving:
             raise APIError(f"context length exceeded: {num_prompt_tokens} tokens in the {field} + max_tokens="
                            f"{max_tokens} > max_model_len={self.max_model_len}; lower max_tokens or shorten the "
                            f"{field}", param="max_tokens", code="context_length_exceeded")
-        return replace(params, max_tokens=given(max_tokens, room))
+        try:
+            return replace(params, max_tokens=given(max_tokens, room))
+        except InvalidRequest as error:  # min_tokens past the room left
+            raise APIError(str(error), param=error.param) from None

@@ -17,13 +17,23 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from nanoserve import RequestDelta, RequestOutput, SamplingParams
 from nanoserve.entrypoints.openai.protocol import ENGINE_ERRORS, APIError, SamplingBody, engine_error
-from nanoserve.entrypoints.openai.serving_engine import API, Formatter, Prompt, Serving, Shown, sampling_params
+from nanoserve.entrypoints.openai.serving_engine import (
+    API,
+    Formatter,
+    Prompt,
+    Serving,
+    Shown,
+    check_grammar,
+    grammar_field,
+    sampling_params,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +101,7 @@ async def generate_response(serving: Serving, request: Request, api: API, body: 
 
     async def start() -> Response:
         prompts = await serving.in_tokenizer_thread(prepare)
+        await serving.in_tokenizer_thread(partial(check_grammar, params, grammar_field(body)))
         fitted = [serving.fit_to_context(params, max_tokens, len(p.token_ids), api.prompt_field) for p in prompts]
         await generation.submit([(p.token_ids, f) for p, f in zip(prompts, fitted)], arrival_time)
         formatter = api(body, prompts, params.n, serving.token_strings)

@@ -1,0 +1,90 @@
+"""Logits processors: what a request asks of its next token's logits beyond temperature, top-k and top-p.
+
+`process_logits` applies them to the rows that sample (logits [S, vocab], one row per request), in
+vLLM's order:
+1. structured outputs: -inf outside the grammar's allowed tokens (structured_outputs.py);
+2. min_tokens: -inf on EOS and the stop tokens while the output is shorter than min_tokens;
+3. logit_bias: added to the logits of the tokens it names;
+4. penalties: repetition_penalty over the tokens in the prompt or the output (a positive logit is
+   divided by it, a negative one multiplied, so either way the token gets less likely), then
+   frequency_penalty x count + presence_penalty x (count > 0) subtracted, counting the output only.
+The sampler then divides by the temperature and applies min_p, top-k and top-p (sampler.py).
+Logprobs come from the logits as the model gave them (vLLM's default): these work on a copy. When no
+row asks for any of them, the logits come back untouched after one attribute check per row.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from nanoserve.sampler import SamplingParams, is_finite_real, is_int, require
+from nanoserve.sequence import Sequence
+from nanoserve.structured_outputs import StructuredOutputsParams, apply_grammar_masks
+
+
+def check_params(params: SamplingParams) -> None:
+    """SamplingParams' checks for the fields applied here (vLLM's bounds): ValueError naming the field."""
+    p = params
+    require(is_finite_real(p.repetition_penalty) and p.repetition_penalty > 0, "repetition_penalty",
+            p.repetition_penalty, "a number > 0 (1: off)")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(p, name)
+        require(is_finite_real(value) and -2 <= value <= 2, name, value, "a number in [-2, 2]")
+    require(is_finite_real(p.min_p) and 0 <= p.min_p <= 1, "min_p", p.min_p, "a number in [0, 1]")
+    bias = p.logit_bias
+    ok = bias is None or isinstance(bias, dict) and all(is_int(t) and t >= 0 and is_finite_real(b)
+                                                        for t, b in bias.items())
+    require(ok, "logit_bias", bias, "None or a dict of token id (an int >= 0) -> a finite number")
+    require(is_int(p.min_tokens) and 0 <= p.min_tokens <= p.max_tokens, "min_tokens", p.min_tokens,
+            f"an int in [0, max_tokens={p.max_tokens}]")
+    require(isinstance(p.include_stop_str_in_output, bool), "include_stop_str_in_output",
+            p.include_stop_str_in_output, "a bool")
+    require(p.structured_outputs is None or isinstance(p.structured_outputs, StructuredOutputsParams),
+            "structured_outputs", p.structured_outputs, "None or a StructuredOutputsParams")
+
+
+def has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
+
+
+def uses_processors(p: SamplingParams) -> bool:
+    return p.structured_outputs is not None or p.min_tokens > 0 or bool(p.logit_bias) or has_penalties(p)
+
+
+def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> torch.Tensor:
+    """logits [S, vocab] of the requests `seqs` that sample now -> the logits to sample from."""
+    if not any(uses_processors(seq.params) for seq in seqs):
+        return logits  # the common case: nothing to copy, nothing to do
+    logits = logits.clone()
+    apply_grammar_masks(logits, seqs)
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        # With a grammar, the grammar says when the output may end: the two must not ban every token.
+        if seq.num_tokens - seq.num_prompt_tokens < p.min_tokens and p.structured_outputs is None:
+            stop = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else eos_token_ids)
+            logits[row, sorted(stop)] = float("-inf")
+        if p.logit_bias:
+            logits[row, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+    apply_penalties(logits, seqs)
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """The repetition, frequency and presence penalties, in place, on the rows whose requests ask for them."""
+    rows = [row for row, seq in enumerate(seqs) if has_penalties(seq.params)]
+    if not rows:
+        return
+    R, vocab, device = len(rows), logits.shape[1], logits.device
+    # Each request's prompt + output token ids, padded with `vocab`: an extra column, dropped below.
+    tokens = pad_sequence([torch.tensor(seqs[r].token_ids) for r in rows], batch_first=True,
+                          padding_value=vocab).to(device)                                  # [R, L]
+    num_prompt = torch.tensor([seqs[r].num_prompt_tokens for r in rows], device=device)    # [R]
+    is_output = torch.arange(tokens.shape[1], device=device)[None, :] >= num_prompt[:, None]  # [R, L]
+    counts = torch.zeros(R, vocab + 1, device=device).scatter_add_(1, tokens, is_output.float())[:, :vocab]
+    seen = torch.zeros(R, vocab + 1, dtype=torch.bool, device=device).scatter_(1, tokens, True)[:, :vocab]
+    params = [seqs[r].params for r in rows]
+    repetition, frequency, presence = (torch.tensor([getattr(p, name) for p in params], device=device)[:, None]
+                                       for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+    x = logits[rows]                                                                        # [R, vocab]
+    x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+    logits[rows] = x - frequency * counts - presence * (counts > 0)

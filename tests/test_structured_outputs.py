@@ -1,0 +1,139 @@
+"""Structured outputs (structured_outputs.py): every output fits its grammar, on the bundled Austen model
+(it never saw JSON: every valid output is the mask's doing), beside unconstrained requests, through preemption."""
+import json
+import re
+from concurrent.futures import Future
+
+import jsonschema
+import pytest
+
+from nanoserve import DEFAULT_MODEL, LLM, SamplingParams
+from nanoserve.config import Config
+from nanoserve.scheduler import Scheduler
+from nanoserve.sequence import Sequence
+from nanoserve.structured_outputs import RequestGrammar, StructuredOutputsParams
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "minLength": 2, "maxLength": 12},
+    "age": {"type": "integer", "minimum": 18, "maximum": 99},
+    "mood": {"enum": ["happy", "sad", "vexed"]},
+    "friends": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 1, "maxItems": 3},
+    "home": {"type": "object", "properties": {"town": {"type": "string", "maxLength": 10},
+                                              "rooms": {"type": "integer", "minimum": 1, "maximum": 30}},
+             "required": ["town", "rooms"], "additionalProperties": False}},
+    "required": ["name", "age", "mood", "friends", "home"], "additionalProperties": False}
+NUMBERS = {"type": "array", "items": {"type": "number", "minimum": -5, "maximum": 5}, "minItems": 2, "maxItems": 4}
+PROMPTS = ["It is a truth universally acknowledged", "Mr. Darcy said", "Emma was"]
+
+
+def constrained(temperature=0.0, max_tokens=120, seed=None, **spec):
+    return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
+                          structured_outputs=StructuredOutputsParams(**spec))
+
+
+@pytest.fixture(scope="module")
+def austen():
+    return LLM(DEFAULT_MODEL, block_size=16)
+
+
+@pytest.mark.parametrize("schema", [PERSON, NUMBERS], ids=["person", "numbers"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_outputs_fit_their_schema_on_a_model_that_never_saw_json(austen, schema, temperature):
+    # Catches: the mask not applied (Austen's prose is no JSON), applied to the wrong row, a finished
+    # grammar not ending the request (the text runs on past the closing brace).
+    params = [constrained(temperature, seed=i, json=schema) for i in range(len(PROMPTS))]
+    outputs = austen.generate(PROMPTS, params)
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), schema)
+
+
+def test_json_schema_given_as_text_and_json_object(austen):
+    out = austen.generate(PROMPTS[:1], constrained(json=json.dumps(NUMBERS)))[0].outputs[0]
+    jsonschema.validate(json.loads(out.text), NUMBERS)
+    out = austen.generate(PROMPTS[:1], constrained(json_object=True, max_tokens=60, temperature=1.0, seed=3))[0]
+    assert out.outputs[0].finish_reason == "length" or isinstance(json.loads(out.outputs[0].text), dict)
+
+
+def test_regex_and_choice(austen):
+    regex = r"(Miss|Mrs)\. [A-Z][a-z]{2,8}, aged [1-9][0-9]"
+    choices = ["Elizabeth", "Jane", "Lydia Bennet"]
+    params = [constrained(1.0, seed=i, regex=regex) for i in range(3)] + \
+             [constrained(1.0, seed=i, choice=choices) for i in range(3)]
+    outputs = [o.outputs[0] for o in austen.generate(PROMPTS + PROMPTS, params)]
+    for out in outputs[:3]:
+        assert re.fullmatch(regex, out.text) and out.finish_reason == "stop"
+    for out in outputs[3:]:
+        assert out.text in choices and out.finish_reason == "stop"
+
+
+def test_ebnf_grammar_and_a_finished_grammar_stops_even_with_ignore_eos(austen):
+    grammar = 'root ::= "Yes, " name "." \nname ::= "Emma" | "Harriet"'
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(grammar=grammar))
+    out = austen.generate(PROMPTS[:1], params)[0].outputs[0]
+    assert out.text in ("Yes, Emma.", "Yes, Harriet.") and out.finish_reason == "stop"
+
+
+def test_an_unconstrained_request_beside_constrained_ones_gets_its_tokens_as_alone(austen):
+    # Catches: a mask row applied to the wrong request (rows are the sampling rows, in batch order).
+    plain = SamplingParams(temperature=0, max_tokens=40)
+    alone = austen.generate(PROMPTS[1:2], plain)[0].outputs[0].token_ids
+    mixed = austen.generate(PROMPTS, [constrained(json=PERSON), plain, constrained(choice=["a", "b"])])
+    assert mixed[1].outputs[0].token_ids == alone
+
+
+def test_preemption_mid_grammar_leaves_the_grammar_exact():
+    # A cache of 12 blocks of 4 slots for 3 requests of ~60 tokens: they preempt one another mid-JSON.
+    # Catches: the matcher advanced again when a preempted request recomputes, or reset (accept fails).
+    params = [constrained(json=PERSON) for _ in PROMPTS]
+    expected = [o.outputs[0].text for o in LLM(DEFAULT_MODEL, block_size=4).generate(PROMPTS, params)]
+    llm = LLM(DEFAULT_MODEL, block_size=4, num_kvcache_blocks=40, max_model_len=128)
+    got = [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert got == expected
+    for text in got:
+        jsonschema.validate(json.loads(text), PERSON)
+    llm.engine.assert_invariants()
+
+
+@pytest.mark.parametrize("spec", [dict(json={"type": "objekt"}), dict(regex="(a"), dict(grammar="root ::= nothing"),
+                                  dict(json="{not json")])
+def test_a_spec_the_library_rejects_is_a_value_error_naming_structured_outputs(austen, spec):
+    engine = austen.engine
+    other = engine.add_request("Emma", SamplingParams(max_tokens=3))
+    with pytest.raises(ValueError, match="structured_outputs") as error:
+        engine.add_request("Emma", constrained(**spec))
+    assert error.value.param == "structured_outputs"
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step().outputs]
+    assert finished == [other]
+    engine.assert_invariants()
+
+
+@pytest.mark.parametrize("spec", [dict(), dict(regex="a", choice=["a"]), dict(choice="ab"), dict(json=3)])
+def test_a_malformed_spec_is_refused_when_made(spec):
+    with pytest.raises(ValueError, match="structured_outputs"):
+        StructuredOutputsParams(**spec)
+
+
+def test_grammars_are_compiled_once_per_spec(austen):
+    grammars = austen.engine.grammars
+    first = grammars.compile(StructuredOutputsParams(json={"type": "integer", "minimum": 3}))
+    again = grammars.compile(StructuredOutputsParams(json='{"minimum": 3, "type": "integer"}'))
+    assert first.compiled is again.compiled and first is not again  # one compile, a matcher each
+
+
+def test_a_request_whose_grammar_compiles_waits_without_holding_up_the_others():
+    # Catches: a compiling request admitted (its first step would block on the compile), or blocking the queue.
+    scheduler = Scheduler(Config(DEFAULT_MODEL), num_blocks=20, block_size=4, max_model_len=64, eos_token_ids={2})
+    compiling = Future()
+    first = Sequence("first", None, [1, 2, 3], SamplingParams(), grammar=RequestGrammar(compiling))
+    second = Sequence("second", None, [1, 2, 3], SamplingParams())
+    scheduler.add(first)
+    scheduler.add(second)
+    assert [seq.request_id for seq, _ in scheduler.schedule()] == ["second"]
+    compiling.set_result(None)
+    assert [seq.request_id for seq, _ in scheduler.schedule()] == ["second", "first"]
