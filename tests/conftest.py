@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from nanoserve import SamplingParams
+from nanoserve.config import Config
 
 HAS_CUDA = torch.cuda.is_available()  # asked before any test hides the GPU (CUDA reads its env once)
 
@@ -28,6 +29,17 @@ def cpu_unless_marked_gpu(request, monkeypatch):
     if request.node.get_closest_marker("gpu") is None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # for the subprocesses a test starts
+
+
+@pytest.fixture(autouse=True)
+def eager_unless_asked(monkeypatch):
+    """Tests build hundreds of engines, and compiling takes seconds per model: they run the eager
+    reference unless they pass enforce_eager=False (tests/test_compilation.py, test_smollm2.py).
+    A server in a subprocess keeps the default (compiled) unless its test passes --enforce-eager."""
+    from_kwargs = Config.from_kwargs.__func__
+    monkeypatch.setattr(Config, "from_kwargs", classmethod(
+        lambda cls, model, **kwargs: from_kwargs(cls, model, **{"enforce_eager": True, **kwargs})))
+
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=256, max_position_embeddings=256,
