@@ -24,7 +24,6 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
-import torch.fx.experimental._config
 
 from nanoserve.batch import build_batch
 from nanoserve.config import Config
@@ -35,25 +34,20 @@ from nanoserve.sequence import Sequence
 if TYPE_CHECKING:
     from nanoserve.model_runner import ModelRunner
 
-logger = logging.getLogger(__name__)
-
 
 def why_not_compile(device: torch.device, tensor_parallel_size: int) -> str | None:
     """Why the step cannot be compiled here, or None where it can be tried."""
     if device.type not in ("cpu", "cuda"):
         return f"torch.compile is not supported here on {device.type}"
-    if tensor_parallel_size > 1:
-        return "the compiled step does not cover tensor parallelism (its all_reduce inside a layer)"
-    return None
+    return "the compiled step does not cover tensor parallelism" if tensor_parallel_size > 1 else None
 
 
 def compile_model(runner: ModelRunner, config: Config) -> bool:
     """Compile the runner's decoder layers and run the warm-up that compiles them. True where the model
     now runs compiled; False, after one log line naming why, where it runs eager, its linears laid out
     for eager again (`pack_linears`)."""
-    model = runner.model
     why = why_not_compile(runner.device, config.tensor_parallel_size)
-    backend, layers = model.model.attention, model.model.layers
+    backend, layers = runner.model.model.attention, runner.model.model.layers
     if why is None:
         attention = backend.forward
         # contiguous: one output layout whichever path attention took, so the next piece's guards hold
@@ -66,12 +60,12 @@ def compile_model(runner: ModelRunner, config: Config) -> bool:
                 warm_up(runner)
             return True
         except Exception as error:  # a missing C++ compiler, an op inductor cannot lower, ...
-            why = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            why = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"  # its first line
             del backend.forward  # the class's own again
             for layer in layers:
                 layer._compiled_call_impl = None  # nn.Module.compile's undo
-    logger.warning(f"enforce_eager=False, but the model runs eager: {why}")
-    pack_linears(model, config.max_num_seqs)
+    logging.getLogger(__name__).warning(f"enforce_eager=False, but the model runs eager: {why}")
+    pack_linears(runner.model, config.max_num_seqs)
     return False
 
 

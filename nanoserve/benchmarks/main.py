@@ -55,6 +55,7 @@ def make_parser(prog: str = "python -m nanoserve.bench") -> argparse.ArgumentPar
                    help="nanoserve's KV cache size for both schedulers: the memory a static batch must reserve")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="every engine's dtype")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--enforce-eager", action="store_true", help="nanoserve op by op, not compiled")
     p.add_argument("--device", help="every engine's and the roofline's device (default: cuda if present, else cpu)")
     p.add_argument("--json", help="also write the results to this JSON file")
     mode = p.add_mutually_exclusive_group()
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.bench")
     config = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   num_kvcache_blocks=args.kv_cache_tokens // args.block_size + 1,  # + the null block
                   max_model_len=whole_blocks(max(len(r.prompt) + r.output_len for r in workload), args.block_size),
-                  dtype=args.dtype, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+                  dtype=args.dtype, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+                  enforce_eager=args.enforce_eager)
     print(f"torch {torch.__version__} on {config['device']}, {torch.get_num_threads()} threads, {args.dtype}; "
           f"{len(workload)} requests, "
           f"{sum(len(r.prompt) for r in workload)} prompt + {sum(r.output_len for r in workload)} output tokens")

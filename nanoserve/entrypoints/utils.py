@@ -38,12 +38,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     for name, kind in ENGINE_OPTIONS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true", help="run the model op by op, not compiled")
 
 
 def engine_config(args: argparse.Namespace) -> Config:
     """The Config that args.model and the engine options ask for; a ValueError names what is wrong,
     before the model loads."""
     options = {name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None}
+    if args.enforce_eager:
+        options["enforce_eager"] = True
     config = Config.from_kwargs(args.model, enable_prefix_caching=not args.no_prefix_caching, **options)
     if not os.path.isdir(args.model):
         raise ValueError(f"model {args.model!r} is not a folder")
