@@ -62,7 +62,9 @@ def main() -> None:
     parser.add_argument("--trace", nargs="?", type=int, const=4, default=0, metavar="STEPS",
                         help="print the first STEPS steps (default 4) the way the walkthrough shows them")
     args = parser.parse_args()
-    llm = LLM(args.model, block_size=16, max_num_seqs=8)  # the KV cache fits 8 full-length requests
+    # eager: the readable reference, stepped through by --trace; compiling takes seconds and pays nothing
+    # at the bundled model's size (docs/performance.md, "The compiled step")
+    llm = LLM(args.model, block_size=16, max_num_seqs=8, enforce_eager=True)  # the KV cache fits 8 full-length requests
     engine = llm.engine
     if engine.tokenizer is None:
         parser.error(f"{args.model} has no tokenizer; this example sends text prompts")
