@@ -127,8 +127,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.bench")
     config = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   num_kvcache_blocks=args.kv_cache_tokens // args.block_size + 1,  # + the null block
                   max_model_len=whole_blocks(max(len(r.prompt) + r.output_len for r in workload), args.block_size),
-                  dtype=args.dtype, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
-                  enforce_eager=args.enforce_eager)
+                  dtype=args.dtype, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.enforce_eager:  # else LLM's default (compiled)
+        config["enforce_eager"] = True
     print(f"torch {torch.__version__} on {config['device']}, {torch.get_num_threads()} threads, {args.dtype}; "
           f"{len(workload)} requests, "
           f"{sum(len(r.prompt) for r in workload)} prompt + {sum(r.output_len for r in workload)} output tokens")
