@@ -42,6 +42,9 @@ class Config:
     scheduling: str = "continuous"            # "continuous" | "static" (the baseline)
     gpu_memory_utilization: float = 0.9       # share of GPU memory for weights + KV cache
     tensor_parallel_size: int = 1             # processes (ranks) the model is split over (parallel.py)
+    # True: op by op, the readable reference. False: compiled (compilation.py), opt-in: on the CPUs measured it
+    # was no faster at one request, slower at 48, and took 30-90 s to start (docs/performance.md, "The compiled step")
+    enforce_eager: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
@@ -57,8 +60,9 @@ class Config:
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.device is not None and not isinstance(self.device, str):
             raise ValueError(f"device must be a str such as 'cpu', 'cuda', 'cuda:1' or 'mps', got {self.device!r}")
         utilization = self.gpu_memory_utilization

@@ -11,6 +11,7 @@ import torch
 
 from nanoserve.attention import select_attention
 from nanoserve.batch import Batch, build_batch, prompt_logprob_positions, samples_now
+from nanoserve.compilation import compile_model
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config, cdiv
 from nanoserve.device import free_memory, resolve_dtype
 from nanoserve.distributed import Shard, broadcast_from_rank0
@@ -31,7 +32,11 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, device, config.model)
         self.backend, self.block_size = select_attention(config.attention_backend, config.block_size, device,
                                                          self.dtype, get_head_dim(read_config(config.model)))
-        self.model = load_model(config.model, self.dtype, device, self.backend, shard, config.max_num_seqs)
+        # compiled, the linears are laid out as for one row: no PackedLinear, which inductor cannot trace
+        rows = config.max_num_seqs if config.enforce_eager else 1
+        self.model = load_model(config.model, self.dtype, device, self.backend, shard, rows)
+        # not enforce_eager: compiled now, before any request, or eager after one log line (compilation.py)
+        self.compiled = not config.enforce_eager and compile_model(self, config)
         if device.type == "cuda":  # the largest step, once: its peak is what the KV cache leaves free
             torch.cuda.reset_peak_memory_stats(device)
             self.warm_up(config, max_model_len)

@@ -29,6 +29,7 @@ def cpu_unless_marked_gpu(request, monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # for the subprocesses a test starts
 
+
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=256, max_position_embeddings=256,
             bos_token_id=1, eos_token_id=2, initializer_range=0.1)

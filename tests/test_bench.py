@@ -154,7 +154,8 @@ def test_step_limit_takes_the_larger_of_compute_and_memory():
 
 def test_profile_decode_runs(tiny_models, capsys):
     main(["--model", tiny_models["gqa"], "--profile-decode", "3"])
-    assert "| float32 | 3 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| float32 | 3 |" in out and "| host, ms (share of the step) | schedule |" in out
 
 
 def test_python_m_nanoserve_bench_still_runs():

@@ -45,7 +45,8 @@ GEN = [  # generate_until: greedy, up to "\n" or 8 tokens
     {"prompt": "It is a truth universally", "target": " acknowledged."},
     {"prompt": "Question: what colour is the sky? Answer:", "target": " blue"},
 ]
-ENGINE_OPTIONS = ["--device", "cpu", "--dtype", "float32", "--block-size", "4", "--num-kvcache-blocks", "256"]
+ENGINE_OPTIONS = ["--device", "cpu", "--dtype", "float32", "--block-size", "4", "--num-kvcache-blocks", "256",
+                  "--enforce-eager"]  # eager, as in-process tests are (conftest): compiling is tested elsewhere
 
 
 @pytest.fixture(scope="module")

@@ -47,9 +47,12 @@ def prompts(smollm2) -> list[list[int]]:
                                           tokenize=True, return_dict=False) for q in QUESTIONS]
 
 
-@pytest.fixture(scope="module")
-def llm(smollm2) -> LLM:
-    return LLM(smollm2, dtype="float32")
+@pytest.fixture(scope="module", params=[True, False], ids=["eager", "compiled"])
+def llm(smollm2, request) -> LLM:
+    """Both steps, each token-exact: the eager reference and the compiled one (compilation.py)."""
+    llm = LLM(smollm2, dtype="float32", enforce_eager=request.param)
+    assert llm.engine.model_runner.compiled is not request.param
+    return llm
 
 
 def test_folder_is_a_llama_with_chat_template(smollm2) -> None:

@@ -11,12 +11,17 @@ point: every engine runs on the same machine in the same run.
     python -m nanoserve.bench --profile-decode 48        # where one decode step of 48 requests spends its time
     python -m nanoserve.bench --server http://127.0.0.1:8000 --rates 2,4,8   # the same load over HTTP + SSE
     python -m nanoserve.bench --llama-cpp llama-batched-bench --gguf model.gguf --model HF_FOLDER  # vs llama.cpp
+    python -m nanoserve.bench --busy-neighbour      # the same, beside one busy Python process at nice 10
+    python -m nanoserve.bench --no-enforce-eager    # nanoserve compiled (torch.compile), not op by op
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import subprocess
+import sys
 import tempfile
 from dataclasses import asdict
 
@@ -55,6 +60,10 @@ def make_parser(prog: str = "python -m nanoserve.bench") -> argparse.ArgumentPar
                    help="nanoserve's KV cache size for both schedulers: the memory a static batch must reserve")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="every engine's dtype")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="nanoserve op by op (the default), or compiled with --no-enforce-eager")
+    p.add_argument("--busy-neighbour", action="store_true",
+                   help="run every engine beside one busy Python process at nice 10 (a laptop's other work)")
     p.add_argument("--device", help="every engine's and the roofline's device (default: cuda if present, else cpu)")
     p.add_argument("--json", help="also write the results to this JSON file")
     mode = p.add_mutually_exclusive_group()
@@ -95,6 +104,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.bench")
         print(run_http(args.server, workload, [float(r) for r in args.rates.split(",")], args.seed, args.api_key))
         return
     torch.manual_seed(args.seed)
+    if args.busy_neighbour:  # by its weight at nice 10 it should take ~5% of two cores; killed when we exit
+        neighbour = subprocess.Popen([sys.executable, "-c", "import os; os.nice(10)\nwhile True: pass"])
+        atexit.register(neighbour.kill)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(describe_cpu())
@@ -117,6 +129,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.bench")
                   num_kvcache_blocks=args.kv_cache_tokens // args.block_size + 1,  # + the null block
                   max_model_len=whole_blocks(max(len(r.prompt) + r.output_len for r in workload), args.block_size),
                   dtype=args.dtype, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.enforce_eager is not None:  # else LLM's default (eager)
+        config["enforce_eager"] = args.enforce_eager
     print(f"torch {torch.__version__} on {config['device']}, {torch.get_num_threads()} threads, {args.dtype}; "
           f"{len(workload)} requests, "
           f"{sum(len(r.prompt) for r in workload)} prompt + {sum(r.output_len for r in workload)} output tokens")

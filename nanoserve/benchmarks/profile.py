@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import random
 import time
+from collections import defaultdict
 
 import torch
 
+import nanoserve.engine
+import nanoserve.model_runner
 from nanoserve import LLM, SamplingParams
 
 
@@ -14,7 +17,8 @@ def profile_decode(path: str, num_requests: int, vocab_size: int, config: dict) 
     """Where one decode step's time goes: `num_requests` requests past their prompts (100-200
     tokens each). Attention (writing K/V, gathering blocks, SDPA) is timed around every layer's call of
     the attention backend over 5 steps (the median step is reported); op shares come from
-    torch.profiler on one more."""
+    torch.profiler on one more. The host's share (schedule, build_batch, sample, update: everything but
+    the forward) is timed around each over the same steps."""
     # room for all: each request reaches at most 232 tokens, 15 blocks of 16; the cache must also
     # hold one max_model_len request, so that is 256 here, not the model's (8192 for SmolLM2)
     config = config | dict(num_kvcache_blocks=num_requests * 18 + 1, max_model_len=256)
@@ -34,14 +38,20 @@ def profile_decode(path: str, num_requests: int, vocab_size: int, config: dict) 
         out = forward(*args)
         attention.append(time.perf_counter() - start)
         return out
-    backend.forward = timed_forward
+    if not engine.model_runner.compiled:  # replacing a compiled model's attention would recompile it
+        backend.forward = timed_forward
+    host: dict[str, float] = defaultdict(float)
+    for owner, name in ((engine.scheduler, "schedule"), (nanoserve.engine, "build_batch"),
+                        (nanoserve.model_runner, "sample"), (engine.scheduler, "update")):
+        time_calls(owner, name, host)
     steps = []
     for _ in range(5):
         attention.clear()
+        host.clear()
         start = time.perf_counter()
         engine.step()
-        steps.append((time.perf_counter() - start, sum(attention)))
-    step, attend = sorted(steps)[2]
+        steps.append((time.perf_counter() - start, sum(attention), dict(host)))
+    step, attend, host_times = sorted(steps, key=lambda s: s[0])[2]
     with torch.profiler.profile() as prof:
         engine.step()
     events = prof.key_averages()
@@ -52,5 +62,23 @@ def profile_decode(path: str, num_requests: int, vocab_size: int, config: dict) 
             f"| {config['dtype']} | {num_requests} | {1000 * step:.1f} | {100 * attend / step:.0f}% | "
             f"{share('aten::mm', 'aten::addmm', 'mkldnn::_linear_pointwise'):.0f}% | "
             f"{share('aten::_scaled_dot_product_flash_attention_for_cpu'):.0f}% | "
-            f"{share('aten::index_select'):.0f}% |")
+            f"{share('aten::index_select'):.0f}% |\n\n"
+            "| host, ms (share of the step) | schedule | build_batch | sample | update |\n"
+            "|---|---|---|---|---|\n| " + f"{sum(host_times.values()) * 1000:.2f} "
+            f"({100 * sum(host_times.values()) / step:.1f}%) | " +
+            " | ".join(f"{1000 * host_times.get(name, 0.0):.2f}" for name in ("schedule", "build_batch", "sample")) +
+            f" | {1000 * (host_times.get('update', 0.0)):.2f} |")
+
+
+def time_calls(owner: object, name: str, into: dict[str, float]) -> None:
+    """Add the time of every call of `owner.name` to `into[name]`, for the rest of the process."""
+    function = getattr(owner, name)
+
+    def timed(*args: object, **kwargs: object) -> object:
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            into[name] += time.perf_counter() - start
+    setattr(owner, name, timed)
 

@@ -38,12 +38,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     for name, kind in ENGINE_OPTIONS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                        help="op by op (the default), or compiled with --no-enforce-eager (docs/performance.md)")
 
 
 def engine_config(args: argparse.Namespace) -> Config:
     """The Config that args.model and the engine options ask for; a ValueError names what is wrong,
     before the model loads."""
     options = {name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None}
+    if args.enforce_eager is not None:
+        options["enforce_eager"] = args.enforce_eager
     config = Config.from_kwargs(args.model, enable_prefix_caching=not args.no_prefix_caching, **options)
     if not os.path.isdir(args.model):
         raise ValueError(f"model {args.model!r} is not a folder")
