@@ -23,6 +23,8 @@ import numbers
 import os
 from dataclasses import dataclass, fields
 
+from nanoserve.spec_decode import SpeculativeConfig
+
 # Without num_kvcache_blocks on a CPU, the KV cache takes at most this share of available RAM.
 CPU_KV_CACHE_FRACTION = 0.1
 
@@ -42,6 +44,7 @@ class Config:
     scheduling: str = "continuous"            # "continuous" | "static" (the baseline)
     gpu_memory_utilization: float = 0.9       # share of GPU memory for weights + KV cache
     tensor_parallel_size: int = 1             # processes (ranks) the model is split over (parallel.py)
+    speculative_config: dict | None = None    # vLLM's, method "ngram" only (spec_decode.py); None: off
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
@@ -61,6 +64,8 @@ class Config:
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if self.device is not None and not isinstance(self.device, str):
             raise ValueError(f"device must be a str such as 'cpu', 'cuda', 'cuda:1' or 'mps', got {self.device!r}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)  # raises a ValueError naming the key at fault
         utilization = self.gpu_memory_utilization
         if not isinstance(utilization, numbers.Real) or isinstance(utilization, bool) or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
