@@ -3,12 +3,13 @@ with transformers and with speculation off under every setup that changes how to
 accepted); stop rules, max_tokens, logprobs and streaming deltas seeing accepted tokens only; seeded sampling the same
 with and without drafts; the output distribution unchanged at temperature 1; drafts shrinking rather than anyone
 being preempted; the counters, the trace and the config checks."""
+import json
 import math
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import conftest
 from conftest import build_tiny_llama, greedy
@@ -39,6 +40,8 @@ def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> tuple[list, li
     while engine.has_unfinished_requests():
         steps.append(engine.step())
         engine.assert_invariants()
+        # no block held for a rejected draft: just those of the tokens so far (the last one is written next step)
+        assert all(len(s.block_table) <= -(-s.num_tokens // engine.block_size) for s in engine.scheduler.running)
         outputs |= {o.request_id: o for o in steps[-1].outputs}
     assert engine.scheduler.block_manager.num_free_blocks == engine.model_runner.num_blocks - 1
     return [outputs[i] for i in ids], steps
@@ -87,36 +90,41 @@ def test_prefix_cache_hits_on_blocks_written_with_drafts(tiny_models):
     assert second.token_ids == conftest.reference(path, [again], [10])[0]
 
 
-def test_max_tokens_and_stop_tokens_inside_an_accepted_run(tiny_models):
-    """Catches tokens appended past max_tokens or past a stop token when a step accepts several at once."""
+def test_max_tokens_inside_an_accepted_run(tiny_models):
+    """Catches drafts running past max_tokens (KV computed for tokens that can never be output), and tokens
+    appended past max_tokens when a step accepts several at once. (Stop rules are checked after each accepted
+    token: the stop-string test below.)"""
     path = tiny_models["gqa"]
     expected = conftest.reference(path, [PROMPTS[0]], [40])[0]
     llm = LLM(path, block_size=4, speculative_config=SPEC)
     _, steps = run(llm, [PROMPTS[0]], [greedy(40)])
     runs = [d.token_ids for s in steps for d in s.deltas]
-    start = next(sum(map(len, runs[:i])) for i, r in enumerate(runs) if len(r) >= 3)  # a run of 3 or more
-    # max_tokens ends the request at the run's middle token; then a stop token does, first seen there
-    out = run(llm, [PROMPTS[0]], [greedy(start + 2)])[0][0]
-    assert (out.token_ids, out.finish_reason) == (expected[:start + 2], "length")
-    stop = next(i for i in range(start + 1, len(expected)) if expected[i] not in expected[:i])
-    out = run(llm, [PROMPTS[0]], [SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[expected[stop]])])[0][0]
-    assert (out.token_ids, out.finish_reason) == (expected[:stop + 1], "stop")
+    ends = np.cumsum([len(r) for r in runs]) - 1  # index in the output of each step's last token
+    start = next(end - len(r) + 1 for r, end in zip(runs, ends) if len(r) >= 3)  # a run of 3 or more
+    # max_tokens ends the request at the run's middle token, and no draft runs past it
+    out, steps = run(llm, [PROMPTS[0]], [greedy(start + 2)])
+    assert (out[0].token_ids, out[0].finish_reason) == (expected[:start + 2], "length")
+    assert max(s.batch.positions.max().item() for s in steps if s.batch is not None) == len(PROMPTS[0]) + start
 
 
 def test_stop_string_inside_an_accepted_run():
-    """Catches the stop-string check made once per step, not after each accepted token: the text and token_ids
-    would run past the stop string."""
+    """Catches the stop-string check made once per step, not after each accepted token: token_ids would run past
+    the token that completed the stop string."""
     prompt = ("Repeat: It is a truth universally acknowledged, that a single man in possession of a good fortune, "
               "must be in want of a wife. Again: It is a truth universally acknowledged, that")
     llm = LLM(DEFAULT_MODEL, block_size=16, speculative_config=SPEC)
-    _, steps = run(llm, [prompt], [greedy(30)])
-    deltas = [d for s in steps for d in s.deltas]
-    long = next(d for d in deltas if len(d.token_ids) >= 3 and d.text.strip())
-    stop = long.text.strip()[:2]  # ends inside that step's accepted run
+    outputs, steps = run(llm, [prompt], [greedy(30)])
+    tokens, tokenizer = outputs[0].token_ids, AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    ends = np.cumsum([len(d.token_ids) for s in steps for d in s.deltas]) - 1  # each step's last token
+    for i in (i for i in range(len(tokens)) if i not in ends):  # a token inside an accepted run
+        text = tokenizer.decode(tokens[:i + 1])
+        stop = text[-12:]
+        if stop.strip() and text.find(stop) == len(text) - len(stop):  # first completed by token i
+            break
     params = SamplingParams(temperature=0, max_tokens=30, stop=[stop])
     with_spec = run(llm, [prompt], [params])[0][0]
     without = run(LLM(DEFAULT_MODEL, block_size=16), [prompt], [params])[0][0]
-    assert with_spec.finish_reason == "stop" and stop not in with_spec.text
+    assert with_spec.finish_reason == "stop" and with_spec.token_ids == tokens[:i + 1]
     assert (with_spec.token_ids, with_spec.text) == (without.token_ids, without.text)
 
 
@@ -169,9 +177,10 @@ def test_sampling_distribution_is_unchanged_by_drafts(tmp_path):
     assert chi2 < 24.3, (observed, expected)  # 7 degrees of freedom: p = 0.001
 
 
-def test_drafts_shrink_before_anyone_is_preempted(tiny_models):
-    """Few free blocks: the drafts take only what the running requests do not need for their next tokens, so
-    speculation preempts no more than plain decoding does. Catches drafts allocated from the whole free pool."""
+def test_drafts_cost_no_preemption(tiny_models):
+    """Few free blocks: drafts get KV slots only after every running request has its next token's, and blocks that
+    only rejected drafts used come back at once, so speculation preempts no more than plain decoding does. Catches
+    those blocks kept (run() checks it after every step, and the next request short of a block is preempted)."""
     path = tiny_models["gqa"]
     setup = dict(block_size=4, num_kvcache_blocks=26, max_model_len=80)
     prompts, max_tokens = [PROMPTS[0], PROMPTS[2], PROMPTS[3]], [40, 40, 39]  # 41 + 39: max_model_len
@@ -207,3 +216,33 @@ def test_no_drafts_from_the_batch_size_on_and_the_trace_shows_them(tiny_models):
 def test_bad_speculative_config_is_refused(tiny_models, config, message):
     with pytest.raises(ValueError, match=message):
         LLM(tiny_models["gqa"], speculative_config=config)
+
+
+def test_server_takes_speculative_config_and_reports_acceptance():
+    """`--speculative-config` JSON as vLLM's; a stream's chunks add up to the offline output, and /metrics counts
+    drafts. Catches the option not reaching Config, and the counters missing from /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from nanoserve.engine import LLMEngine
+    from nanoserve.entrypoints.openai.api_server import ServerThread, build_app, build_parser
+    from nanoserve.entrypoints.utils import engine_config
+    args = build_parser("serve").parse_args([DEFAULT_MODEL, "--block-size", "16", "--device", "cpu",
+                                             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4,'
+                                             ' "prompt_lookup_max": 3, "prompt_lookup_min": 1}'])
+    config = engine_config(args)
+    assert config.speculative_config["num_speculative_tokens"] == 4
+    prompt = "My dear Jane, my dear Jane, my dear Jane, my dear"
+    expected = LLM(DEFAULT_MODEL, block_size=16).generate([prompt], greedy(40), use_tqdm=False)[0].text
+    server = ServerThread(build_app(LLMEngine(config), "m")).start()
+    try:
+        body = dict(model="m", prompt=prompt, max_tokens=40, temperature=0, stream=True)
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+        text = httpx.get(server.url + "/metrics").text
+    finally:
+        server.stop()
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert values["vllm:spec_decode_num_accepted_tokens_total"] > 0
+    assert values["vllm:spec_decode_num_draft_tokens_total"] >= values["vllm:spec_decode_num_accepted_tokens_total"]
