@@ -62,8 +62,10 @@ class SpeculativeConfig:
         if unknown := sorted(set(config) - known):
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; valid keys: {sorted(known)}")
         low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
-        values = dict(num_speculative_tokens=config.get("num_speculative_tokens"), prompt_lookup_min=low or high or 5,
-                      prompt_lookup_max=high or low or 5,
+        if low is None and high is None:
+            low = high = 5  # vLLM's default
+        values = dict(num_speculative_tokens=config.get("num_speculative_tokens"),
+                      prompt_lookup_min=high if low is None else low, prompt_lookup_max=low if high is None else high,
                       disable_by_batch_size=config.get("disable_by_batch_size", DISABLE_BY_BATCH_SIZE))
         for name, value in values.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -212,6 +212,8 @@ def test_no_drafts_from_the_batch_size_on_and_the_trace_shows_them(tiny_models):
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}, "lookahead"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}, "prompt_lookup_min"),
+    ("ngram", "method 'ngram'"),
 ])
 def test_bad_speculative_config_is_refused(tiny_models, config, message):
     with pytest.raises(ValueError, match=message):
