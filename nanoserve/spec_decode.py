@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from nanoserve.sampler import Logprob
 from nanoserve.sequence import Sequence
@@ -80,13 +79,13 @@ def propose_ngram(token_ids: np.ndarray, k: int, n_min: int, n_max: int) -> list
     n_max down to n_min that occurs; [] if none does. token_ids [L] int64. Where fewer than k tokens follow it
     (it overlaps the end), the copy runs on over the tokens it proposed, as LZ77 does: a tail that repeats every
     p tokens is proposed in full, not p tokens at a time."""
+    ends = np.flatnonzero(token_ids[:-1] == token_ids[-1])  # where the last token occurred before: n-gram ends
     for n in range(min(n_max, len(token_ids) - 1), n_min - 1, -1):
-        # [L - n, n]: every n-gram with at least one token after it (so never the last n tokens themselves)
-        windows = sliding_window_view(token_ids[:-1], n)
-        hits = np.flatnonzero((windows == token_ids[-n:]).all(axis=1))
-        if hits.size:
-            start = hits[-1] + n
-            return np.resize(token_ids[start:], k).tolist()  # np.resize repeats what follows to fill k
+        found = ends[ends >= n - 1]
+        for back in range(1, n):  # keep the ends whose n - 1 tokens before match too
+            found = found[token_ids[found - back] == token_ids[-1 - back]]
+        if found.size:
+            return np.resize(token_ids[found[-1] + 1:], k).tolist()  # np.resize repeats what follows to fill k
     return []
 
 
