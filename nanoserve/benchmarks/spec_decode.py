@@ -62,6 +62,11 @@ def time_transformers(path: str, prompt: list[int], max_tokens: int, k: int | No
     return min(times), out[0, len(prompt):].tolist()
 
 
+def chat_prompt(llm: LLM, chat: str) -> list[int]:
+    ids = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": chat}], add_generation_prompt=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
 def acceptance(stats: dict) -> str:
     if not stats.get("num_drafts"):
         return "-"
@@ -73,8 +78,7 @@ def acceptance(stats: dict) -> str:
 def single_request(args: argparse.Namespace, name: str, chat: str) -> list[str]:
     """Rows of the one-request table for one prompt: nanoserve off and on, transformers off and with lookup."""
     plain = LLM(args.model, dtype="float32")
-    prompt = plain.engine.tokenizer.apply_chat_template([{"role": "user", "content": chat}], add_generation_prompt=True)
-    prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
+    prompt = chat_prompt(plain, chat)
     spec = LLM(args.model, dtype="float32", speculative_config=spec_config(args.k))
     base, base_tokens, _ = time_nanoserve(plain, [prompt], args.max_tokens, args.repeats)
     fast, fast_tokens, stats = time_nanoserve(spec, [prompt], args.max_tokens, args.repeats)
@@ -98,8 +102,7 @@ def many_requests(args: argparse.Namespace) -> list[str]:
     DISABLE_BY_BATCH_SIZE or more run), and on at every batch size."""
     probe = LLM(args.model, dtype="float32")
     chats = [EDIT.replace("Mr. Smith", f"Mr. {name}") for name in ["Smith", "Jones", "Brown", "Taylor"] * 12]
-    prompts = [probe.engine.tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True)
-               for c in chats]
+    prompts = [chat_prompt(probe, c) for c in chats]
     rows, base, base_tokens = [], None, None
     for label, config in (("off", None), (f"k={args.k}, default: none from 8 running", spec_config(args.k)),
                           (f"k={args.k}, every batch size", spec_config(args.k, disable_by_batch_size=10_000))):
@@ -128,8 +131,9 @@ def main() -> None:
     print(describe_cpu(), f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32")
     rows = ["| prompt | engine | speculation | ms/token (or tok/s) | speed-up | acceptance |",
             "|---|---|---|---|---|---|"]
-    rows += single_request(args, "edit a passage", EDIT)
-    rows += single_request(args, "no repeats", NO_REPEAT)
+    for name, chat in (("edit a passage", EDIT), ("no repeats", NO_REPEAT)):
+        rows += single_request(args, name, chat)
+        print("\n".join(rows), flush=True)
     if not args.skip_batch:
         rows += many_requests(args)
     print("\n".join(rows))
