@@ -35,7 +35,8 @@ class Batch:
     cu_seqlens_k: torch.Tensor     # [B+1] int32, cumulative seq_lens (flash-attn's cu_seqlens_k)
     block_tables: torch.Tensor     # [B, max_blocks] int32
     logits_indices: torch.Tensor   # [S + P] int64, rows whose logits the model returns: the last token of
-                                   # each request that samples now, then the P prompt-logprob rows
+                                   # each request that samples now (and its drafts', spec_decode.py), then
+                                   # the P prompt-logprob rows
     next_token_ids: torch.Tensor   # [P] int64, the prompt token each prompt-logprob row predicts
     max_query_len: int
     max_seq_len: int
@@ -50,8 +51,9 @@ class Batch:
 
 
 def samples_now(seq: Sequence, num_new: int) -> bool:
-    """A request samples a token in the step that runs its last token (not a mid-prompt chunk)."""
-    return seq.num_computed_tokens + num_new == seq.num_tokens
+    """A request samples a token in the step that runs its last token (not a mid-prompt chunk), and
+    its draft tokens if it has any (spec_decode.py)."""
+    return seq.num_computed_tokens + num_new >= seq.num_tokens
 
 
 def prompt_logprob_positions(scheduled: list[tuple[Sequence, int]]) -> list[range]:
@@ -87,10 +89,11 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, device: 
         start = seq.num_computed_tokens
         prompt_rows += [len(input_ids) + p - start for p in positions]  # rows of the flat batch
         next_token_ids += seq.token_ids[positions.start + 1:positions.stop + 1]
-        input_ids += seq.token_ids[start:start + num_new]
+        input_ids += seq.token_ids[start:start + num_new] + seq.spec_token_ids  # drafts: after its last token
     query_lens = np.array([num_new for _, num_new in scheduled], np.int64)
     seq_lens = np.array([seq.num_computed_tokens + num_new for seq, num_new in scheduled], np.int64)
-    samples = np.array([samples_now(seq, num_new) for seq, num_new in scheduled], bool)
+    # Rows each request samples from: its last token's, and its drafts' (spec_decode.py); none mid-prompt
+    num_sampled = np.maximum(seq_lens - np.array([seq.num_tokens for seq, _ in scheduled]) + 1, 0)  # [B]
     query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
     # Token t belongs to request req[t]; its position counts on from that request's computed tokens.
     req = np.repeat(np.arange(len(scheduled)), query_lens)
@@ -100,7 +103,9 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, device: 
         block_tables[r, :len(seq.block_table)] = seq.block_table  # the rest stays 0, the null block
     # [N]: token t's block is entry positions[t] // block_size of its request's block table
     slot_mapping = block_tables[req, positions // block_size] * block_size + positions % block_size
-    logits_indices = np.concatenate([query_start_loc[1:][samples] - 1, prompt_rows])
+    # [S]: request r's last num_sampled[r] tokens, for every r
+    sampled_rows = np.repeat(query_start_loc[1:] - np.cumsum(num_sampled), num_sampled) + np.arange(num_sampled.sum())
+    logits_indices = np.concatenate([sampled_rows, prompt_rows])
     cu_seqlens_k = np.concatenate([[0], np.cumsum(seq_lens)])
     # One copy to the device per dtype (flash-attn wants lengths and block tables in int32)
     tensors = upload(dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,

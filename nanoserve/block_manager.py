@@ -140,6 +140,14 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
 
+    def free_tail(self, seq: Sequence, num_tokens: int) -> None:
+        """Return seq's blocks past its first `num_tokens` slots: those only rejected draft tokens used
+        (spec_decode.py). Never shared nor cached: no accepted token is in them."""
+        while len(seq.block_table) > cdiv(num_tokens, self.block_size):
+            block_id = seq.block_table.pop()
+            self.blocks[block_id].ref_cnt -= 1
+            self.free_queue[block_id] = None
+
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register in the prefix cache seq's blocks that are full once its first `num_tokens` are
         computed. Called when the step that computes them is scheduled (see the invariants)."""

@@ -23,6 +23,8 @@ import numbers
 import os
 from dataclasses import dataclass, fields
 
+from nanoserve.spec_decode import SpeculativeConfig
+
 # Without num_kvcache_blocks on a CPU, the KV cache takes at most this share of available RAM.
 CPU_KV_CACHE_FRACTION = 0.1
 
@@ -45,6 +47,7 @@ class Config:
     # True: op by op, the readable reference. False: compiled (compilation.py), opt-in: on the CPUs measured it
     # was no faster at one request, slower at 48, and took 30-90 s to start (docs/performance.md, "The compiled step")
     enforce_eager: bool = True
+    speculative_config: dict | None = None    # vLLM's, method "ngram" only (spec_decode.py); None: off
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
@@ -65,6 +68,8 @@ class Config:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.device is not None and not isinstance(self.device, str):
             raise ValueError(f"device must be a str such as 'cpu', 'cuda', 'cuda:1' or 'mps', got {self.device!r}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)  # raises a ValueError naming the key at fault
         utilization = self.gpu_memory_utilization
         if not isinstance(utilization, numbers.Real) or isinstance(utilization, bool) or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")

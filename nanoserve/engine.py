@@ -130,13 +130,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | list[int]]:
         """For monitoring: requests waiting and running and free KV blocks now; since start, the
-        preemptions and the prompt tokens served from the prefix cache."""
+        preemptions, the prompt tokens served from the prefix cache and, with speculative decoding,
+        its counters (spec_decode.py)."""
         scheduler = self.scheduler
+        spec = scheduler.spec.stats() if scheduler.spec is not None else {}
         return dict(num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
                     num_free_blocks=scheduler.block_manager.num_free_blocks,
-                    num_preemptions=scheduler.num_preemptions, num_cached_tokens=scheduler.num_cached_tokens)
+                    num_preemptions=scheduler.num_preemptions, num_cached_tokens=scheduler.num_cached_tokens, **spec)
 
     def assert_invariants(self) -> None:
         """Every unfinished request is in exactly one of the scheduler's queues, and the
@@ -156,12 +158,13 @@ class LLMEngine:
             if self.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never expected
             return StepResult(None, [], [], aborted, [])
-        decode_ids = [s.request_id for s, n in scheduled if n == 1 and s.num_computed_tokens >= s.num_prompt_tokens]
+        decode_ids = [s.request_id for s, n in scheduled
+                      if n == 1 + len(s.spec_token_ids) and s.num_computed_tokens >= s.num_prompt_tokens]
         batch = build_batch(scheduled, self.block_size, self.device)
-        sampling = [seq for seq, n in scheduled if samples_now(seq, n)]
+        sampling = [(seq, seq.num_tokens) for seq, n in scheduled if samples_now(seq, n)]  # tokens before this step
         finished = self.scheduler.update(scheduled, self.model_runner.run(batch, scheduled))  # appends, stops, frees
         for seq in finished:
             del self.requests[seq.request_id]
         return StepResult(batch, [(seq.request_id, n) for seq, n in scheduled], decode_ids,
                           aborted + [request_output(seq) for seq in finished],
-                          [request_delta(seq) for seq in sampling])
+                          [request_delta(seq, num_tokens) for seq, num_tokens in sampling])

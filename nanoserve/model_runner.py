@@ -20,6 +20,7 @@ from nanoserve.models import get_head_dim
 from nanoserve.models.loader import load_model, read_config
 from nanoserve.sampler import Logprob, SamplerOutput, SamplingParams, sample, top_logprobs
 from nanoserve.sequence import Sequence
+from nanoserve.spec_decode import verify_rows
 from nanoserve.tokenizer import read_eos_token_ids
 
 
@@ -103,9 +104,13 @@ class ModelRunner:
         if not scheduled:
             return SamplerOutput([], [], [])
         seqs = [seq for seq, num_new in scheduled if samples_now(seq, num_new)]
-        sampling, prompt_rows = logits[:len(seqs)], logits[len(seqs):]  # [S, vocab], [P, vocab]
-        processed = process_logits(sampling, seqs, self.eos_token_ids)  # penalties, grammars...: logits_processors.py
-        token_ids = sample(processed, [s.params for s in seqs], [s.num_tokens - s.num_prompt_tokens for s in seqs])
+        num_rows = len(batch.logits_indices) - len(batch.next_token_ids)  # S: more than len(seqs) with drafts
+        seqs, num_generated = (verify_rows(seqs) if num_rows > len(seqs) else  # a row per draft too
+                               (seqs, [s.num_tokens - s.num_prompt_tokens for s in seqs]))
+        sampling, prompt_rows = logits[:num_rows], logits[num_rows:]  # [S, vocab], [P, vocab]
+        # penalties, grammars...: logits_processors.py (a request using them has no drafts: one row each)
+        processed = process_logits(sampling, seqs, self.eos_token_ids)
+        token_ids = sample(processed, [s.params for s in seqs], num_generated)
         logprobs: list[dict[int, Logprob] | None] = [None] * len(seqs)
         rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
         if rows:

@@ -46,10 +46,10 @@ class RequestOutput:
 class RequestDelta:
     """What one request produced in one step, for streaming."""
     request_id: str
-    token_ids: list[int]         # the token sampled this step
+    token_ids: list[int]         # the tokens sampled this step: one, or more with speculative decoding
     text: str | None             # its new text; may be "" (held back), None without a tokenizer
     finish_reason: str | None    # None until the request's last delta
-    logprobs: dict[int, Logprob] | None = None  # the token's, with SamplingParams.logprobs
+    logprobs: list[dict[int, Logprob]] | None = None  # per token, with SamplingParams.logprobs
     # With SamplingParams.prompt_logprobs, on the request's first delta (as vLLM streams them): a server echoing
     # the prompt with its logprobs sends them before the first token.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -66,11 +66,13 @@ class StepResult:
 
     @property
     def num_decode_tokens(self) -> int:
-        return len(self.decode_ids)
+        """Decode tokens, draft tokens (spec_decode.py) included."""
+        decode_ids = set(self.decode_ids)
+        return sum(n for request_id, n in self.scheduled if request_id in decode_ids)
 
     @property
     def num_prefill_tokens(self) -> int:
-        return 0 if self.batch is None else self.batch.input_ids.numel() - len(self.decode_ids)
+        return 0 if self.batch is None else self.batch.input_ids.numel() - self.num_decode_tokens
 
 
 def request_output(seq: Sequence) -> RequestOutput:
@@ -85,10 +87,13 @@ def request_output(seq: Sequence) -> RequestOutput:
                          seq.num_cached_tokens or 0, ttft, seq.finish_time - seq.arrival_time, prompt_logprobs)
 
 
-def request_delta(seq: Sequence) -> RequestDelta:
-    """seq's token of this step and the text it settled (see detokenizer.py)."""
+def request_delta(seq: Sequence, num_tokens_before: int) -> RequestDelta:
+    """seq's tokens of this step (those after its first `num_tokens_before`: one, or more with speculative
+    decoding) and the text they settled (see detokenizer.py)."""
     text = None if seq.detokenizer is None else seq.detokenizer.take_delta(seq.is_finished)
-    logprobs = seq.logprobs[-1] if seq.params.logprobs is not None else None
-    first = seq.num_tokens == seq.num_prompt_tokens + 1
+    num_output_before = num_tokens_before - seq.num_prompt_tokens
+    logprobs = seq.logprobs[num_output_before:] if seq.params.logprobs is not None else None
+    first = num_output_before == 0
     prompt_logprobs = list(seq.prompt_logprobs) if first and seq.params.prompt_logprobs is not None else None
-    return RequestDelta(seq.request_id, [seq.token_ids[-1]], text, seq.finish_reason, logprobs, prompt_logprobs)
+    return RequestDelta(seq.request_id, seq.token_ids[num_tokens_before:], text, seq.finish_reason, logprobs,
+                        prompt_logprobs)

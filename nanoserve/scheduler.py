@@ -46,6 +46,7 @@ from nanoserve.block_manager import BlockManager
 from nanoserve.config import Config, cdiv
 from nanoserve.sampler import SamplerOutput
 from nanoserve.sequence import Sequence, SequenceStatus
+from nanoserve.spec_decode import NgramSpeculator, SpeculativeConfig
 
 ScheduledSeq = tuple[Sequence, int]  # a request and how many of its tokens run this step
 
@@ -69,6 +70,8 @@ class Scheduler:
         # (prompt token ids, prompt_logprobs) -> a request whose prompt logprobs the next such request shares.
         # Weak: an entry lives as long as its request (a finished one's rows are as good as any).
         self.prompt_logprobs_owners: weakref.WeakValueDictionary[tuple, Sequence] = weakref.WeakValueDictionary()
+        spec = config.speculative_config  # n-gram drafts for the decodes (spec_decode.py), if asked for
+        self.spec = NgramSpeculator(SpeculativeConfig.from_dict(spec)) if spec is not None else None
 
     def add(self, seq: Sequence) -> None:
         """Queue seq. If it asks for prompt logprobs, it shares the list of a request with the same prompt
@@ -84,6 +87,8 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         """Plan one step. Returns the scheduled requests in batch order."""
         scheduled, preempted = self.schedule_running()
+        if self.spec is not None and not preempted:  # drafts take what the running requests leave
+            scheduled = self.spec.schedule_drafts(self, scheduled)
         # A step that preempted is out of blocks: an admission would only be preempted in turn.
         # Static batching, difference 1 of 4: a new batch is admitted only once the last one has
         # completely finished (continuous batching admits at every step).
@@ -209,8 +214,11 @@ class Scheduler:
             seq.num_computed_tokens += num_new
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt: no token yet
-            seq.append_token(*next(sampled))
-            reason = self.stop_reason(seq)
+            if seq.spec_token_ids:  # 1 + k sampled rows verify its k drafts (spec_decode.py)
+                reason = self.spec.accept(seq, sampled, self)
+            else:
+                seq.append_token(*next(sampled))
+                reason = self.stop_reason(seq)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)

@@ -38,6 +38,7 @@ class Sequence:
         self.num_cached_tokens: int | None = None
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []              # prefix-cache keys of the full blocks, in order
+        self.spec_token_ids: list[int] = []              # draft tokens this step verifies (spec_decode.py)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None            # "stop" | "length" | "abort"
         # TTFT and latency count from here: add_request, or the HTTP request's arrival when a server

@@ -2,7 +2,8 @@
 
 `format_step` prints a `StepResult` as the walkthrough's arrays, one line each (`input_ids`,
 `positions`, `slot_mapping`, `query_start_loc`, `seq_lens`, `block_tables`), then which requests
-ran a prefill chunk, which decoded one token, and which finished. It only reads: it never changes
+ran a prefill chunk, which decoded one token (with speculative decoding: how many drafts it verified and
+how many it accepted), and which finished. It only reads: it never changes
 the engine. (The notebooks draw the KV cache itself with notebooks/block_map.py.)
 """
 from __future__ import annotations
@@ -29,7 +30,10 @@ def format_step(result: StepResult, step_index: int | None = None) -> str:
     runs = [(request_id, num_tokens, batch.positions[start].item())
             for (request_id, num_tokens), start in zip(result.scheduled, batch.query_start_loc.tolist())]
     prefill = [f"{r} ({n} tokens from position {p})" for r, n, p in runs if r not in result.decode_ids]
-    decode = [f"{r} at position {p}" for r, n, p in runs if r in result.decode_ids]
+    # A decode with drafts (spec_decode.py) ran n - 1 of them after its last token; its delta holds the tokens kept
+    num_out = {delta.request_id: len(delta.token_ids) for delta in result.deltas}
+    decode = [f"{r} at position {p}" + (f" + {n - 1} drafts, {num_out[r] - 1} accepted" if n > 1 else "")
+              for r, n, p in runs if r in result.decode_ids]
     finished = [f"{o.request_id} ({o.finish_reason}, {len(o.token_ids)} tokens out)" for o in result.outputs]
     for name, items in (("prefill", prefill), ("decode", decode), ("finished", finished)):
         lines.append(f"{name:<15} : {', '.join(items) or '-'}")

@@ -107,8 +107,8 @@ def test_streamed_deltas_carry_each_tokens_logprobs(tiny_models):
         result = engine.step()
         deltas += result.deltas
         outputs += result.outputs
-    assert [d.logprobs for d in deltas] == outputs[0].outputs[0].logprobs
-    assert [list(d.logprobs)[0] for d in deltas] == outputs[0].token_ids
+    assert [lp for d in deltas for lp in d.logprobs] == outputs[0].outputs[0].logprobs
+    assert [list(lp)[0] for d in deltas for lp in d.logprobs] == outputs[0].token_ids
     assert deltas[0].prompt_logprobs == outputs[0].prompt_logprobs and len(outputs[0].prompt_logprobs) == 9
     assert [d.prompt_logprobs for d in deltas[1:]] == [None] * 4
 

@@ -66,6 +66,8 @@ def make_parser(prog: str = "python -m nanoserve.bench") -> argparse.ArgumentPar
                    help="run every engine beside one busy Python process at nice 10 (a laptop's other work)")
     p.add_argument("--device", help="every engine's and the roofline's device (default: cuda if present, else cpu)")
     p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--speculative-config", type=json.loads, help="nanoserve's, as vLLM's: JSON, e.g. "
+                   "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (docs/speculative-decoding.md)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--online", action="store_true", help="Poisson arrivals to nanoserve continuous and static")
     mode.add_argument("--profile-decode", type=int, metavar="N", help="profile one decode step of N requests instead")
@@ -131,6 +133,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.bench")
                   dtype=args.dtype, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.enforce_eager is not None:  # else LLM's default (eager)
         config["enforce_eager"] = args.enforce_eager
+    if args.speculative_config:
+        config["speculative_config"] = args.speculative_config
     print(f"torch {torch.__version__} on {config['device']}, {torch.get_num_threads()} threads, {args.dtype}; "
           f"{len(workload)} requests, "
           f"{sum(len(r.prompt) for r in workload)} prompt + {sum(r.output_len for r in workload)} output tokens")

@@ -54,7 +54,9 @@ def run_nanoserve(path: str, workload: list[Request], scheduling: str, **config:
                   {"steps": len(steps), "prefill_tokens": prefill_tokens,
                    "computed_tokens": sum(sum(s.query_lens) for s in steps),
                    "cached_tokens": sum(o.num_cached_tokens for o in outputs),
-                   "preemptions": engine.stats()["num_preemptions"]}, steps)
+                   "preemptions": engine.stats()["num_preemptions"],
+                   **{name: value for name, value in engine.stats().items() if "draft" in name or "accepted" in name}},
+                  steps)
 
 
 def load_hf(path: str, dtype: str, device: str = "cpu") -> PreTrainedModel:
@@ -130,6 +132,11 @@ def report(results: list[Result], machine: Machine, shape: ModelShape) -> str:
         lines.append(f"| {r.engine} | {r.output_tok_s:.0f} | {r.total_tok_s:.0f} | {percentile(r.ttft, 50):.2f} / "
                      f"{percentile(r.ttft, 99):.2f} | {1000 * statistics.mean(r.tpot):.1f} | {kv} | {computed} "
                      f"| {ratio} |")
+    for r in results:  # speculative decoding (docs/speculative-decoding.md)
+        if r.extra.get("num_drafts"):
+            lines.append(f"\n{r.engine}: speculative decoding accepted {r.extra['num_accepted_tokens']} of "
+                         f"{r.extra['num_draft_tokens']} draft tokens in {r.extra['num_drafts']} verifications "
+                         f"(by position: {r.extra['num_accepted_tokens_per_pos']})")
     # The roofline is taken over the steps nanoserve (continuous, else static) ran: the same useful work for all
     scheduled = next((r for r in results if r.steps), None)
     if scheduled is None:

@@ -4,6 +4,7 @@ a parser whose mistakes are one line, and the engine's options, Config's fields 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable
 from typing import NoReturn
@@ -28,9 +29,14 @@ def positive(kind: type) -> Callable[[str], int | float]:
     return convert
 
 
+def JSON(text: str) -> object:  # named for argparse's "invalid JSON value: '...'"
+    return json.loads(text)
+
+
 ENGINE_OPTIONS = {"block_size": int, "num_kvcache_blocks": int, "max_num_seqs": int, "max_num_batched_tokens": int,
                   "max_model_len": int, "dtype": str, "device": str, "attention_backend": str,
-                  "gpu_memory_utilization": float, "tensor_parallel_size": int}
+                  "gpu_memory_utilization": float, "tensor_parallel_size": int,
+                  "speculative_config": JSON}  # as vLLM: '{"method": "ngram", "num_speculative_tokens": 4, ...}'
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

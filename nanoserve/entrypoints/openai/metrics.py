@@ -43,13 +43,19 @@ class Metrics(StatLogger):
         self.itl = seconds("vllm:time_per_output_token_seconds", "Between two tokens of a request")
         self.e2e_latency = seconds("vllm:e2e_request_latency_seconds", "From arrival to finish")
         self.queue_time = seconds("vllm:request_queue_time_seconds", "From arrival to first scheduled")
+        # Speculative decoding (spec_decode.py), as vLLM's: steps that verified drafts, draft tokens, accepted ones
+        self.spec_counters = {name: counter(f"vllm:spec_decode_{name}", doc) for name, doc in (
+            ("num_drafts", "Verifications of a request's drafts"), ("num_draft_tokens", "Draft tokens proposed"),
+            ("num_accepted_tokens", "Draft tokens accepted"))}
+        self.spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position",
+                                    ["model_name", "position"], registry=self.registry)
         self.success = Counter("vllm:request_success", "Finished requests, by finish reason",
                                ["model_name", "finished_reason"], registry=self.registry)
         # Per unfinished request, on the engine thread only:
         self.unscheduled: dict[str, tuple[float, int]] = {}  # (arrival time, prompt tokens) until first scheduled
         self.no_token_yet: dict[str, float] = {}              # arrival time until the first token
         self.last_token_time: dict[str, float] = {}
-        self.seen = dict(num_preemptions=0, num_cached_tokens=0)  # engine.stats() counters when last read
+        self.seen: dict = dict(num_preemptions=0, num_cached_tokens=0)  # engine.stats() when last read
 
     def labelled(self, kind: type, name: str, doc: str, **kwargs: object):  # -> the model_name child
         return kind(name, doc, ["model_name"], registry=self.registry, **kwargs).labels(self.model_name)
@@ -81,7 +87,7 @@ class Metrics(StatLogger):
         for table in (self.unscheduled, self.no_token_yet, self.last_token_time):
             table.pop(output.request_id, None)
 
-    def record_engine(self, stats: dict[str, int]) -> None:
+    def record_engine(self, stats: dict[str, int | list[int]]) -> None:
         usage = 1 - stats["num_free_blocks"] / self.num_usable_blocks
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
@@ -91,4 +97,10 @@ class Metrics(StatLogger):
         # The engine counts since it started; the counters add what is new since the last look.
         self.preemptions.inc(stats["num_preemptions"] - self.seen["num_preemptions"])
         self.prefix_cache_hits.inc(stats["num_cached_tokens"] - self.seen["num_cached_tokens"])
-        self.seen = {name: stats[name] for name in self.seen}
+        for name, counter in self.spec_counters.items():  # with speculative decoding only
+            counter.inc(stats.get(name, 0) - self.seen.get(name, 0))
+        per_pos = stats.get("num_accepted_tokens_per_pos", [])
+        seen_per_pos = self.seen.get("num_accepted_tokens_per_pos") or [0] * len(per_pos)
+        for position, (num, seen) in enumerate(zip(per_pos, seen_per_pos)):
+            self.spec_per_pos.labels(self.model_name, str(position)).inc(num - seen)
+        self.seen = dict(stats)

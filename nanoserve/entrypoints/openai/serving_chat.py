@@ -49,7 +49,7 @@ class ChatAPI(Formatter):
         if isinstance(result, RequestOutput):
             c = result.outputs[0]
             return Shown(c.text, c.token_ids, c.logprobs, c.finish_reason)
-        logprobs = None if result.logprobs is None else [result.logprobs]
+        logprobs = result.logprobs
         return Shown(result.text, result.token_ids, logprobs, result.finish_reason)
 
     def choice(self, index: int, shown: Shown) -> dict:

@@ -65,7 +65,7 @@ class CompletionAPI(Formatter):
                                                         completion.finish_reason)
         else:
             text, token_ids, finish_reason = result.text, result.token_ids, result.finish_reason
-            logprobs = None if result.logprobs is None else [result.logprobs]
+            logprobs = result.logprobs
         if self.echo_only:  # the one token made (it ends the request) is not shown
             text = None if text is None else ""
             token_ids, logprobs, finish_reason = [], None if logprobs is None else [], "length"

@@ -1,0 +1,162 @@
+"""Speculative decoding by n-gram prompt lookup: several tokens per decode step where the output repeats the context.
+
+A step of one decoding request reads the whole model for one token. When the output quotes its input (a summary,
+a code edit, "rewrite this"), the next tokens can be guessed: find the most recent earlier occurrence of the
+context's last n tokens and propose the k tokens that followed it (`propose_ngram`). The request then runs 1 + k
+query tokens in the step, one more varlen row of the flat batch (like a prefill chunk), and samples at every one:
+
+    token_ids        = [... the cat sat on the mat . the cat]   num_computed_tokens: all but the last "cat"
+    drafts           = [sat on the]                             (after the earlier "the cat")
+    input_ids (row)  = [cat sat on the]                         positions p .. p + 3, 4 KV slots written
+    sampled          = [sat on a  mat]                          one token per position
+    accepted         = [sat on]  + bonus [a]                    the drafts up to the first mismatch, then the
+                                                                token sampled there: 3 tokens in one step
+
+Verification samples each position as a step without drafts would (same params, same seeded noise: sampler.py)
+and keeps a draft while it equals the sample. Under greedy that is "equals the argmax", so the output is exactly
+what decoding token by token gives. At temperature > 0 it is the speculative-sampling rule of Leviathan et al. and
+Chen et al. (vLLM's) for a one-hot draft: draft x is accepted with probability p(x), and after a rejection the token
+comes from p with x removed, renormalised (the sample, given it is not x). The output distribution is unchanged,
+and a seeded request gives the same tokens with speculation as without.
+
+Invariants: drafts live in `seq.spec_token_ids` only from `schedule_drafts` to `accept` (one step); only accepted
+tokens enter `token_ids`, so stop rules, logprobs, streaming and the prefix cache (which hashes full blocks of
+`token_ids` only) never see a rejected one. A rejected draft's KV slot is left as it is: `num_computed_tokens`
+rolls back over it and a later step writes over it; blocks that held only rejected drafts go back to the pool.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from nanoserve.logits_processors import uses_processors
+from nanoserve.sampler import Logprob
+from nanoserve.sequence import Sequence
+
+if TYPE_CHECKING:
+    from nanoserve.scheduler import ScheduledSeq, Scheduler
+
+# With this many requests running, a step has no drafts: a large batch is compute-bound, and rejected drafts cost.
+DISABLE_BY_BATCH_SIZE = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` keys for method "ngram". Without prompt_lookup_min and _max both are 5, as in
+    vLLM; with one, the other takes its value. disable_by_batch_size: no drafts while this many requests run
+    (vLLM's default is never; ours is DISABLE_BY_BATCH_SIZE, see docs/performance.md)."""
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    disable_by_batch_size: int
+
+    @classmethod
+    def from_dict(cls, config: dict) -> SpeculativeConfig:
+        """Checked: a ValueError names the key at fault."""
+        if not isinstance(config, dict) or config.get("method") != "ngram":
+            raise ValueError(f"speculative_config must be a dict with method 'ngram', got {config!r}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
+        if unknown := sorted(set(config) - known):
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; valid keys: {sorted(known)}")
+        low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+        if low is None and high is None:
+            low = high = 5  # vLLM's default
+        values = dict(num_speculative_tokens=config.get("num_speculative_tokens"),
+                      prompt_lookup_min=high if low is None else low, prompt_lookup_max=low if high is None else high,
+                      disable_by_batch_size=config.get("disable_by_batch_size", DISABLE_BY_BATCH_SIZE))
+        for name, value in values.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive int, got {config.get(name)!r}")
+        if values["prompt_lookup_min"] > values["prompt_lookup_max"]:
+            raise ValueError(f"speculative_config: prompt_lookup_min {low} > prompt_lookup_max {high}")
+        return cls(**values)
+
+
+def propose_ngram(token_ids: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """k tokens that followed the most recent earlier occurrence of the last n tokens, for the longest n from
+    n_max down to n_min that occurs; [] if none does. token_ids [L] int64. Where fewer than k tokens follow it
+    (it overlaps the end), the copy runs on over the tokens it proposed, as LZ77 does: a tail that repeats every
+    p tokens is proposed in full, not p tokens at a time."""
+    ends = np.flatnonzero(token_ids[:-1] == token_ids[-1])  # where the last token occurred before: n-gram ends
+    for n in range(min(n_max, len(token_ids) - 1), n_min - 1, -1):
+        found = ends[ends >= n - 1]
+        for back in range(1, n):  # keep the ends whose n - 1 tokens before match too
+            found = found[token_ids[found - back] == token_ids[-1 - back]]
+        if found.size:
+            return np.resize(token_ids[found[-1] + 1:], k).tolist()  # np.resize repeats what follows to fill k
+    return []
+
+
+class NgramSpeculator:
+    """Drafts for a scheduler's decodes (`schedule_drafts`), their verification (`accept`), and vLLM's counters."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
+
+    def schedule_drafts(self, scheduler: Scheduler, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Give each decode in the step's plan its drafts: within the token budget, below max_tokens and
+        max_model_len, and in KV slots that leave the admission reserve (`blocks_to_keep_free`) free, so that the
+        running requests' next tokens always come before drafts: drafts shrink, nobody is preempted for them."""
+        if len(scheduler.running) >= self.config.disable_by_batch_size:
+            return scheduled
+        manager, block_size = scheduler.block_manager, scheduler.block_manager.block_size
+        budget = scheduler.config.max_num_batched_tokens - sum(n for _, n in scheduled)
+        spare_blocks = max(0, manager.num_free_blocks - scheduler.blocks_to_keep_free())
+        planned = []
+        for seq, num_new in scheduled:
+            # A decode (its last token runs), unless its logits are processed (logits_processors.py): penalties and
+            # grammars follow the output token by token, and a draft's row would not see the drafts before it.
+            if num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1 and not uses_processors(seq.params):
+                room = min(self.config.num_speculative_tokens, budget, scheduler.max_kv_len(seq) - seq.num_tokens,
+                           (len(seq.block_table) + spare_blocks) * block_size - seq.num_tokens)
+                seq.spec_token_ids = self.propose(seq.token_ids, room) if room > 0 else []
+                held = len(seq.block_table)
+                assert manager.allocate(seq, seq.num_tokens + len(seq.spec_token_ids)), f"{seq}: no room for drafts"
+                spare_blocks -= len(seq.block_table) - held
+                num_new += len(seq.spec_token_ids)
+                budget -= len(seq.spec_token_ids)
+            planned.append((seq, num_new))
+        return planned
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        return propose_ngram(np.asarray(token_ids), k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def accept(self, seq: Sequence, sampled: Iterator[tuple[int, dict[int, Logprob] | None]],
+               scheduler: Scheduler) -> str | None:
+        """After the step verified seq's drafts: take its 1 + k sampled rows, keep the drafts that equal their
+        position's sample and the sample after them, roll back over the rest, and append the kept tokens one by
+        one until a stop rule fires. Returns the stop reason, if any."""
+        drafts, seq.spec_token_ids = seq.spec_token_ids, []
+        rows = [next(sampled) for _ in range(1 + len(drafts))]
+        num_accepted = next((j for j, draft in enumerate(drafts) if draft != rows[j][0]), len(drafts))
+        self.num_drafts += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.num_accepted_tokens_per_pos[j] += 1
+        seq.num_computed_tokens -= len(drafts) - num_accepted  # a rejected draft's KV slot is written over later
+        scheduler.block_manager.free_tail(seq, seq.num_computed_tokens + 1)  # + the bonus token, next step
+        for token, logprobs in rows[:num_accepted + 1]:
+            seq.append_token(token, logprobs)
+            if (reason := scheduler.stop_reason(seq)) is not None:
+                return reason
+        return None
+
+    def stats(self) -> dict[str, int | list[int]]:
+        """vLLM's spec-decode counters since start: verification steps with drafts, draft tokens, accepted ones,
+        and accepted ones by position in the draft."""
+        return dict(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
+                    num_accepted_tokens=self.num_accepted_tokens,
+                    num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
+
+
+def verify_rows(seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+    """The sampled rows of a step with drafts: 1 + k per request (its last token, then each draft), with how many
+    tokens the request has sampled before each, so that every row samples as a step without drafts would."""
+    rows = [(seq, j) for seq in seqs for j in range(1 + len(seq.spec_token_ids))]
+    return [seq for seq, _ in rows], [seq.num_tokens - seq.num_prompt_tokens + j for seq, j in rows]
