@@ -19,10 +19,10 @@ is computed once, where it is needed, and passed on as an argument or held by it
 """
 from __future__ import annotations
 
-import numbers
 import os
 from dataclasses import dataclass, fields
 
+from nanoserve.sampler import is_finite_real
 from nanoserve.spec_decode import SpeculativeConfig
 
 # Without num_kvcache_blocks on a CPU, the KV cache takes at most this share of available RAM.
@@ -71,15 +71,14 @@ class Config:
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # raises a ValueError naming the key at fault
         utilization = self.gpu_memory_utilization
-        if not isinstance(utilization, numbers.Real) or isinstance(utilization, bool) or not 0 < utilization <= 1:
+        if not (is_finite_real(utilization) and 0 < utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: object) -> Config:
         """Config from LLM(model, **kwargs): an unknown key is an error, never silently ignored."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
+        if unknown := sorted(set(kwargs) - known):
             raise ValueError(f"unknown config key(s) {unknown}; valid keys: {sorted(known - {'model'})}")
         return cls(model=os.fspath(model) if isinstance(model, os.PathLike) else model, **kwargs)
 

@@ -62,7 +62,8 @@ class SamplingParams:
         require(is_finite_real(p) and 0 < p <= 1, "top_p", p, "a number in (0, 1]")
         require(is_int(k) and k >= -1, "top_k", k, "an int >= -1 (0 and -1 mean off)")
         require(is_int(m) and m >= 1, "max_tokens", m, "an int >= 1")
-        require(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "a bool")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            require(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
         require(stop is None or (isinstance(stop, (list, tuple)) and all(is_int(s) and s >= 0 for s in stop)),
                 "stop_token_ids", stop, "None or a list of ints >= 0")
         require(seed is None or is_int(seed), "seed", seed, "an int or None")

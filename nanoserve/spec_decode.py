@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from nanoserve.logits_processors import uses_processors
-from nanoserve.sampler import Logprob
+from nanoserve.sampler import Logprob, is_int, require
 from nanoserve.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -68,8 +68,7 @@ class SpeculativeConfig:
                       prompt_lookup_min=high if low is None else low, prompt_lookup_max=low if high is None else high,
                       disable_by_batch_size=config.get("disable_by_batch_size", DISABLE_BY_BATCH_SIZE))
         for name, value in values.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"speculative_config: {name} must be a positive int, got {config.get(name)!r}")
+            require(is_int(value) and value >= 1, f"speculative_config: {name}", config.get(name), "a positive int")
         if values["prompt_lookup_min"] > values["prompt_lookup_max"]:
             raise ValueError(f"speculative_config: prompt_lookup_min {low} > prompt_lookup_max {high}")
         return cls(**values)
@@ -95,7 +94,7 @@ class NgramSpeculator:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_drafts = self.num_draft_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
 
     def schedule_drafts(self, scheduler: Scheduler, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
@@ -136,7 +135,6 @@ class NgramSpeculator:
         num_accepted = next((j for j, draft in enumerate(drafts) if draft != rows[j][0]), len(drafts))
         self.num_drafts += 1
         self.num_draft_tokens += len(drafts)
-        self.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             self.num_accepted_tokens_per_pos[j] += 1
         seq.num_computed_tokens -= len(drafts) - num_accepted  # a rejected draft's KV slot is written over later
@@ -150,9 +148,9 @@ class NgramSpeculator:
     def stats(self) -> dict[str, int | list[int]]:
         """vLLM's spec-decode counters since start: verification steps with drafts, draft tokens, accepted ones,
         and accepted ones by position in the draft."""
+        per_pos = self.num_accepted_tokens_per_pos  # a draft token is accepted only after all those before it
         return dict(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
-                    num_accepted_tokens=self.num_accepted_tokens,
-                    num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
+                    num_accepted_tokens=sum(per_pos), num_accepted_tokens_per_pos=list(per_pos))
 
 
 def verify_rows(seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
