@@ -11,7 +11,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from nanoserve.batch import Batch
 from nanoserve.config import Config
 from nanoserve.engine import LLMEngine
-from nanoserve.llm import LLM
+from nanoserve.entrypoints.llm import LLM
 from nanoserve.outputs import RequestDelta, RequestOutput, StepResult
 from nanoserve.sampler import SamplingParams
 

@@ -4,7 +4,7 @@
     schedule -> build_batch -> model forward + sample -> update (append tokens, stop, free blocks)
 Requests can be added and aborted between any two steps. Each step streams a `RequestDelta` for
 every request that sampled a token (its new text is settled: see detokenizer.py) and reports the
-requests that finished (outputs.py). Its front ends are `LLM` (llm.py), offline, and `AsyncLLM`
+requests that finished (outputs.py). Its front ends are `LLM` (entrypoints/llm.py), offline, and `AsyncLLM`
 (entrypoints/async_llm.py), for asyncio, which the HTTP server (entrypoints/openai/) is built on; as vLLM's.
 
 Not thread-safe: one thread owns an engine and makes every call on it (add_request, step,
