@@ -31,8 +31,9 @@ class ModelRunner:
     def __init__(self, config: Config, device: torch.device, max_model_len: int, shard: Shard = Shard()) -> None:
         self.shard, self.device = shard, device
         self.dtype = resolve_dtype(config.dtype, device, config.model)
+        hf_config = read_config(config.model)
         self.backend, self.block_size = select_attention(config.attention_backend, config.block_size, device,
-                                                         self.dtype, get_head_dim(read_config(config.model)))
+                                                         self.dtype, get_head_dim(hf_config))
         # compiled, the linears are laid out as for one row: no PackedLinear, which inductor cannot trace
         rows = config.max_num_seqs if config.enforce_eager else 1
         self.model = load_model(config.model, self.dtype, device, self.backend, shard, rows)
@@ -50,7 +51,7 @@ class ModelRunner:
             raise ValueError(f"num_kvcache_blocks={self.num_blocks} needs {needed / 2**30:.2f} GiB for the KV cache, "
                              f"but only {available / 2**30:.2f} GiB of {device.type} memory is free")
         self.kv_cache = self.allocate_kv_cache(self.num_blocks)
-        self.eos_token_ids = read_eos_token_ids(config.model, read_config(config.model))  # min_tokens bans them
+        self.eos_token_ids = read_eos_token_ids(config.model, hf_config)  # min_tokens bans them
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """[2 (k and v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]: flash-attn's paged

@@ -4,10 +4,9 @@ import json
 from typing import Literal
 
 import jsonschema
-import openai
-import pytest
 from pydantic import BaseModel, Field
-from test_serve import ENGINE, KEY, NAME, model_path, post, start_server  # noqa: F401 (a fixture)
+from test_serve import ENGINE, NAME, model_path, post  # noqa: F401 (a fixture)
+from test_serve_logprobs import client, server  # noqa: F401 (fixtures: a server with an API key, its openai client)
 
 from nanoserve import LLM, SamplingParams
 
@@ -19,19 +18,7 @@ class Visit(BaseModel):
     dishes: list[Literal["soup", "fish", "pie"]] = Field(max_length=3)
 
 
-@pytest.fixture(scope="module")
-def server(model_path):  # noqa: F811
-    server = start_server(model_path, api_key=KEY)
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-
-
-def test_chat_completions_parse_with_a_pydantic_model(client):
+def test_chat_completions_parse_with_a_pydantic_model(client):  # noqa: F811
     # Catches: response_format ignored (Austen's prose is no JSON), the schema lost on its way to the engine.
     reply = client.chat.completions.parse(model=NAME, messages=[{"role": "user", "content": "Who came?"}],
                                           response_format=Visit, max_tokens=100, temperature=0.8, seed=1)
@@ -40,7 +27,7 @@ def test_chat_completions_parse_with_a_pydantic_model(client):
     assert isinstance(choice.message.parsed, Visit)
 
 
-def test_json_object_and_structured_outputs_on_completions(server):
+def test_json_object_and_structured_outputs_on_completions(server):  # noqa: F811
     body = dict(model=NAME, prompt="Emma", max_tokens=60, temperature=0,
                 structured_outputs={"json": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}})
     reply = post(server, "/v1/completions", body).json()
