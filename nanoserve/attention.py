@@ -6,12 +6,14 @@ The KV cache of one layer is two tensors `k_cache`, `v_cache` of shape
 request lives in block `block_tables[b][p // block_size]` at offset `p % block_size`, i.e. at the
 flat slot `block_id * block_size + offset`; `slot_mapping` names the slot of each new token.
 
-Block 0 is the null block: the block manager never hands it out, so no `slot_mapping` entry points
-into it, and 0 pads the rows of `block_tables`. Why it must never be written: padding is read. The
+Block 0 is the null block: the block manager never hands it out, so no request's `slot_mapping` entry
+points into it, and 0 pads the rows of `block_tables`. Why no request may write it: padding is read. The
 torch backend copies whole rows of a decode group's table, padding included, then masks the keys
 past each request's own with -inf. A mask removes a key only if what was read is finite (-inf + inf
 and 0 * inf are NaN), and every request's padding reads the same block 0: kept at the zeros the
 cache starts with, it is masked away harmlessly; one non-finite write there would reach them all.
+(The padding rows of a CUDA graph write its slot 0: cuda_graphs.py, with the flash backend alone,
+which reads only each request's own keys.)
 
 Invariants both backends keep:
   * causal masks are aligned bottom-right: with seqlen_q queries and seqlen_k keys, query i sees

@@ -13,6 +13,7 @@ from nanoserve.attention import select_attention
 from nanoserve.batch import Batch, build_batch, prompt_logprob_positions, samples_now
 from nanoserve.compilation import compile_model
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config, cdiv
+from nanoserve.cuda_graphs import capture_graphs
 from nanoserve.device import free_memory, resolve_dtype
 from nanoserve.distributed import Shard, broadcast_from_rank0
 from nanoserve.logits_processors import process_logits
@@ -51,6 +52,7 @@ class ModelRunner:
             raise ValueError(f"num_kvcache_blocks={self.num_blocks} needs {needed / 2**30:.2f} GiB for the KV cache, "
                              f"but only {available / 2**30:.2f} GiB of {device.type} memory is free")
         self.kv_cache = self.allocate_kv_cache(self.num_blocks)
+        self.graphs = capture_graphs(self, config, max_model_len)  # decode steps on CUDA, not enforce_eager
         self.eos_token_ids = read_eos_token_ids(config.model, hf_config)  # min_tokens bans them
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
@@ -101,7 +103,9 @@ class ModelRunner:
     def run(self, batch: Batch, scheduled: list[tuple[Sequence, int]]) -> SamplerOutput:
         """One forward pass over the flat batch, then one token for each request that samples now, with
         the logprobs asked for. A worker (no `scheduled`: rank 0 samples) returns nothing."""
-        logits = self.model(batch, self.kv_cache)  # [S + P, vocab]: the rows that sample, then prompt-logprob rows
+        # [S + P, vocab]: the rows that sample, then prompt-logprob rows; decode steps replay a graph where captured
+        logits = (self.graphs.replay(batch) if self.graphs and batch.is_decode_only else
+                  self.model(batch, self.kv_cache))
         if not scheduled:
             return SamplerOutput([], [], [])
         seqs = [seq for seq, num_new in scheduled if samples_now(seq, num_new)]

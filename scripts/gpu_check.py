@@ -17,7 +17,13 @@ Needs torch, transformers and the test extra (pytest); flash-attn is optional, t
   5. a random ~1B Llama decoding at batch sizes 1, 32, 256 against transformers `generate` on the same
      GPU: tokens/s side by side and the share of equal tokens;
   6. per decode step at batch 32: kernel launches and host syncs (torch.profiler);
-  7. peak memory against the budget: the KV cache, the peak allocated, gpu_memory_utilization x total.
+  7. peak memory against the budget: the KV cache, the peak allocated, gpu_memory_utilization x total;
+  8. CUDA graphs (nanoserve/cuda_graphs.py), on the same ~1B Llama in bfloat16 with the flash backend
+     (flash-attn where installed, else a stand-in a graph can capture: see `graph_safe_flash_attn`):
+     decode graphs over the eager model against the eager model, token for token at batch 1, 32 and
+     256 (graph sizes, so the same kernels run); tok/s at each, eager against `enforce_eager=False`
+     (compiled, with graphs); and host-side kernel launches per decode step of each.
+     With --dry-run a graph is not captured (no CUDA): its replay runs the captured function again.
 A failing check is a FAIL row (with its error), never the end of the run; the exit status is 1 if any failed.
 """
 from __future__ import annotations
@@ -31,6 +37,8 @@ import sys
 import tempfile
 import time
 import traceback
+import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,8 +50,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from test_gpu import ENGINE, agreement, hf_generate, run_engine, workload  # noqa: E402
 
 from flash_reference import FlashReference, fake_flash_attn_module  # noqa: E402
-from nanoserve import LLM, SamplingParams, attention  # noqa: E402
-from nanoserve.attention import select_attention  # noqa: E402
+from nanoserve import LLM, SamplingParams, attention, cuda_graphs  # noqa: E402
+from nanoserve.attention import attend, gather_blocks, select_attention  # noqa: E402
+from nanoserve.config import cdiv  # noqa: E402
 from nanoserve.device import resolve_dtype  # noqa: E402
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -187,8 +196,20 @@ def check_decoding(path: str, device: str, batch_sizes: list[int], prompt_len: i
     return rows
 
 
-def profile_decode(llm: LLM, device: str, prompts: list[list[int]], max_tokens: int, steps: int = 10) -> Row:
+def profile_decode(llm: LLM, device: str, prompts: list[list[int]], max_tokens: int) -> Row:
     """Kernel launches and host syncs per decode step, with every request decoding."""
+    events, steps = profile_decode_steps(llm, device, prompts, max_tokens)
+    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    waits = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+    syncs = sum(1 for e in events if e.name in waits)
+    reads = sum(1 for e in events if e.name == "aten::_local_scalar_dense")
+    return (f"per decode step, B={len(prompts)}", "INFO", f"{kernels / steps:.0f} kernel launches, {syncs / steps:.1f} "
+            f"host syncs, {reads / steps:.1f} scalar reads (item/tolist)")
+
+
+def profile_decode_steps(llm: LLM, device: str, prompts: list[list[int]], max_tokens: int,
+                         steps: int = 10) -> tuple[list, int]:
+    """The profiler's events over `steps` decode steps with every request of `prompts` decoding, and `steps`."""
     from torch.profiler import ProfilerActivity, profile
     engine = llm.engine
     for prompt in prompts:
@@ -204,13 +225,7 @@ def profile_decode(llm: LLM, device: str, prompts: list[list[int]], max_tokens: 
         engine.abort_request(request_id)
     while engine.has_unfinished_requests():
         engine.step()
-    events = prof.events()
-    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    waits = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-    syncs = sum(1 for e in events if e.name in waits)
-    reads = sum(1 for e in events if e.name == "aten::_local_scalar_dense")
-    return (f"per decode step, B={len(prompts)}", "INFO", f"{kernels / steps:.0f} kernel launches, {syncs / steps:.1f} "
-            f"host syncs, {reads / steps:.1f} scalar reads (item/tolist)")
+    return prof.events(), steps
 
 
 def memory_row(llm: LLM, device: str, utilization: float) -> Row:
@@ -223,6 +238,110 @@ def memory_row(llm: LLM, device: str, utilization: float) -> Row:
     return ("peak memory vs KV budget", "PASS" if ok else "FAIL",
             f"peak allocated {peak / 2**30:.1f} GiB (KV cache {kv / 2**30:.1f} GiB, {runner.num_blocks} blocks) "
             f"<= gpu_memory_utilization {utilization} x {total / 2**30:.0f} GiB = {utilization * total / 2**30:.1f}")
+
+
+def graph_safe_flash_attn() -> tuple[types.ModuleType, str]:
+    """flash-attn where it is installed; else the strict reference's varlen (prefill steps run outside
+    graphs) beside `with_kvcache_on_device`: (the module, which it is)."""
+    try:
+        import flash_attn
+        return flash_attn, f"flash-attn {version('flash-attn')}"
+    except ImportError:
+        module = fake_flash_attn_module(FlashReference())
+        module.flash_attn_with_kvcache = with_kvcache_on_device
+        return module, "flash-attn absent: the strict reference's varlen, with_kvcache_on_device"
+
+
+def with_kvcache_on_device(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                           cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                           softmax_scale=None, causal=False, **unused):
+    """flash_attn_with_kvcache as the engine calls it at decode (one query per request, the cache already
+    written), in plain torch without a host read, so that a CUDA graph can capture it: every block of
+    each row of `block_table`, keys at or past cache_seqlens masked."""
+    keys, values = gather_blocks(k_cache, block_table), gather_blocks(v_cache, block_table)  # [B, L, Hkv, D]
+    past = torch.arange(keys.shape[1], device=q.device) >= cache_seqlens[:, None]  # [B, L]
+    bias = torch.zeros(past.shape, dtype=q.dtype, device=q.device).masked_fill(past, float("-inf"))
+    return attend(q, keys, values, softmax_scale, bias[:, None, None])  # q [B, 1, H, D] -> [B, 1, H, D]
+
+
+def attach_graphs(llm: LLM, device: str) -> None:
+    """Capture decode graphs over `llm`'s model as it is (eager). On the CPU (--dry-run) a graph's replay
+    runs the captured function again."""
+    runner, saved = llm.engine.model_runner, cuda_graphs.capture
+    if device == "cpu":
+        cuda_graphs.capture = lambda run, pool: (run, None)
+    try:
+        runner.graphs = cuda_graphs.DecodeGraphs(runner.model, runner.kv_cache, llm.engine.config.max_num_seqs,
+                                                 cdiv(llm.engine.max_model_len, runner.block_size))
+    finally:
+        cuda_graphs.capture = saved
+
+
+def check_graphs(path: str, device: str, batch_sizes: list[int], prompt_len: int, max_tokens: int) -> list[Row]:
+    """The ~1B Llama in bfloat16 with the flash backend, three ways: eager; eager with decode graphs attached
+    (token for token the same: the same kernels run); and enforce_eager=False (compiled, with graphs)."""
+    module, which = graph_safe_flash_attn()
+    saved = sys.modules.get("flash_attn"), attention.why_not_flash
+    sys.modules["flash_attn"], attention.why_not_flash = module, lambda device, dtype, head_dim: None
+    rng = random.Random(1)
+    prompts = {b: [[rng.randrange(3, 500) for _ in range(prompt_len)] for _ in range(b)] for b in batch_sizes}
+    middle = prompts[batch_sizes[min(1, len(batch_sizes) - 1)]]
+    try:
+        runs = {name: decode_with(path, device, name, prompts, max_tokens, middle)
+                for name in ("eager", "eager + graphs", "compiled + graphs")}
+    finally:
+        sys.modules["flash_attn"], attention.why_not_flash = saved
+        if saved[0] is None:
+            del sys.modules["flash_attn"]
+    eager, graphs, compiled = runs["eager"], runs["eager + graphs"], runs["compiled + graphs"]
+    rows = [("attention for the graph checks", "INFO", which)]
+    for b in batch_sizes:
+        rows.append((f"graphs vs eager B={b}", "PASS" if graphs.tokens[b] == eager.tokens[b] else "FAIL",
+                     f"{agreement(graphs.tokens[b], eager.tokens[b]):.1%} of tokens equal; tok/s eager "
+                     f"{eager.tok_s[b]:.0f}, {compiled.name} {compiled.tok_s[b]:.0f} "
+                     f"({compiled.tok_s[b] / eager.tok_s[b]:.2f}x; {agreement(compiled.tokens[b], eager.tokens[b]):.1%}"
+                     f" of its tokens equal)"))
+    launches = f"eager {eager.launches:.0f}, with graphs {graphs.launches:.0f}, {compiled.name} {compiled.launches:.0f}"
+    return rows + [(f"launches per decode step, B={len(middle)}", "INFO", f"{launches} (kernels and graphs)")]
+
+
+@dataclass
+class GraphRun:
+    name: str
+    tokens: dict[int, list[list[int]]]
+    tok_s: dict[int, float]
+    launches: float
+
+
+def decode_with(path: str, device: str, name: str, prompts: dict[int, list[list[int]]], max_tokens: int,
+                profiled: list[list[int]]) -> GraphRun:
+    """Greedy decoding of each batch of `prompts` by an engine run `name`'s way, then launches per step."""
+    compiled = name == "compiled + graphs" and device == "cuda"  # on the CPU compiling is the test suite's job
+    llm = LLM(path, device=device, dtype="bfloat16", attention_backend="flash", max_num_seqs=max(prompts),
+              max_model_len=len(profiled[0]) + max_tokens, gpu_memory_utilization=0.3, enforce_eager=not compiled)
+    if name != "eager" and llm.engine.model_runner.graphs is None:
+        attach_graphs(llm, device)
+    name = f"{'compiled' if llm.engine.model_runner.compiled else 'eager'} + graphs" if name != "eager" else name
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    tokens, tok_s = {}, {}
+    for b, batch in prompts.items():
+        sync(device)
+        start = time.perf_counter()
+        tokens[b] = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+        sync(device)
+        tok_s[b] = b * max_tokens / (time.perf_counter() - start)
+    run = GraphRun(name, tokens, tok_s, count_launches(llm, device, profiled, max_tokens))
+    del llm
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return run
+
+
+def count_launches(llm: LLM, device: str, prompts: list[list[int]], max_tokens: int) -> float:
+    """Host-side launches per decode step, kernels and graphs, with every request decoding."""
+    events, steps = profile_decode_steps(llm, device, prompts, max_tokens)
+    launches = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+    return sum(1 for e in events if e.name in launches) / steps
 
 
 def main() -> int:
@@ -242,7 +361,8 @@ def main() -> int:
               ("pytest -m gpu", lambda: check_pytest_gpu(args.dry_run)),
               ("engine vs transformers", lambda: check_engine(tiny, device, max_tokens)),
               ("flash contract", lambda: check_flash_contract(tiny, device, max_tokens)),
-              ("decoding", lambda: check_decoding(big, device, *decode))]
+              ("decoding", lambda: check_decoding(big, device, *decode)),
+              ("CUDA graphs", lambda: check_graphs(big, device, *decode))]
     rows: list[Row] = []
     for name, check in checks:
         start = time.perf_counter()

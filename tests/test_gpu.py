@@ -108,7 +108,8 @@ def test_gpu_check_dry_run_runs_every_check_on_the_cpu():
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     for row in ("| versions |", "| pytest -m gpu | PASS", "| engine vs transformers, torch.float32 | PASS",
                 "| flash branch through the strict reference | PASS", "| per decode step, B=4 |",
-                "| peak memory vs KV budget |", "| decode B=8,"):
+                "| peak memory vs KV budget |", "| decode B=8,", "| graphs vs eager B=8 | PASS",
+                "| launches per decode step, B=4 |"):
         assert row in result.stdout, row
     assert "| FAIL |" not in result.stdout
 

@@ -1,0 +1,92 @@
+"""CUDA graphs for decode steps: on CUDA, with the flash backend and `enforce_eager=False`, a step in which
+every request brings one token replays a graph captured at start-up instead of launching the model's
+kernels one by one from Python.
+
+Why: a decode step of a small batch is hundreds of small kernels (a few per op, ~25 ops per layer); at
+batch 1 the GPU finishes each before the host has launched the next. A CUDA graph records one step's
+launches once, and one replay launches them all. What a graph needs: every input at the address it was
+captured with, in the same shape. So, as nano-vllm and vLLM do:
+- At start-up one graph is captured per batch size, 1, 2, 4, 8, then every 16 up to max_num_seqs
+  (largest first; the others share its memory pool), each over a static `Batch` of that many rows.
+- A decode step of B requests copies its arrays into the first B rows and replays the smallest graph
+  of at least B rows. Rows past B are padding: token 0 at position 0, its k and v written to slot 0,
+  which it then reads as its one key. Slot 0 is in the null block (attention.py): flash-attn reads a
+  request's keys through its own block table, which never names block 0, so padding is harmless.
+- A graph ends at the model's final norm (`[rows, hidden]`); lm_head runs after the replay on the rows
+  `logits_indices` names, as in the eager model: the logits of every padded row, kept for every graph,
+  would take far more memory.
+- Prompts, mixed steps and steps with draft tokens (spec_decode.py) run the model as they are.
+Only with the flash backend: the torch backend's per-step plan is Python data (attention.py) that a
+graph would freeze. Not with tensor parallelism.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import Tensor
+
+from nanoserve.batch import Batch, build_batch
+from nanoserve.config import Config, cdiv
+from nanoserve.sampler import SamplingParams
+from nanoserve.sequence import Sequence
+
+if TYPE_CHECKING:
+    from nanoserve.model_runner import ModelRunner
+
+
+def capture(run: Callable[[], Tensor], pool: tuple | None) -> tuple[Callable[[], Tensor], tuple]:
+    """Record `run`'s kernels as a CUDA graph: (a replay, which launches them again and returns `run`'s
+    output tensor, now holding the new result; the graph's memory pool, for the next capture to share)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return lambda: (graph.replay(), out)[1], graph.pool()
+
+
+class DecodeGraphs:
+    """One captured decode step per batch size, each over a static `Batch` of that many rows."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: Tensor, max_rows: int, max_blocks: int) -> None:
+        self.model, self.graphs, pool = model, {}, None
+        self.sizes = sorted({*(s for s in (1, 2, 4, 8) if s < max_rows), *range(16, max_rows, 16), max_rows})
+        padding = Sequence("padding", None, [0], SamplingParams())  # token 0 at position 0 ...
+        padding.block_table = [0] * max_blocks  # ... in slot 0 of the null block; tables this wide
+        for size in reversed(self.sizes):
+            static = build_batch([(padding, 1)] * size, kv_cache.shape[3], kv_cache.device)  # [size] rows
+            run = functools.partial(model.model, static, kv_cache)  # -> [size, hidden]
+            run()  # once outside the graph: lazy initialisations and compiling happen here, not in it
+            replay, pool = capture(run, pool)
+            self.graphs[size] = static, replay
+
+    def replay(self, batch: Batch) -> Tensor:
+        """Logits `[S + P, vocab]` float32 of a decode-only `batch`, as `model(batch, kv_cache)` returns them."""
+        n = len(batch.seq_lens)
+        static, replay = self.graphs[next(size for size in self.sizes if size >= n)]
+        for name, pad in (("input_ids", 0), ("positions", 0), ("slot_mapping", 0), ("seq_lens", 1)):
+            getattr(static, name)[:n] = getattr(batch, name)
+            getattr(static, name)[n:] = pad  # an earlier step with more requests left them here
+        static.block_tables.zero_()
+        static.block_tables[:n, :batch.block_tables.shape[1]] = batch.block_tables
+        hidden = replay()  # [size, hidden]: every row's final hidden state
+        return self.model.lm_head(hidden[batch.logits_indices]).float()
+
+
+@torch.inference_mode()  # as ModelRunner.run: the compiled layers' guards see the same mode
+def capture_graphs(runner: ModelRunner, config: Config, max_model_len: int) -> DecodeGraphs | None:
+    """The runner's decode graphs where enforce_eager=False on CUDA; None elsewhere, and where they cannot
+    be captured here, after one log line naming why (decode steps then run without)."""
+    if config.enforce_eager or runner.device.type != "cuda":
+        return None
+    why = ("they need the flash attention backend" if runner.backend != "flash" else
+           "not with tensor parallelism" if config.tensor_parallel_size > 1 else None)
+    if why is None:
+        try:
+            return DecodeGraphs(runner.model, runner.kv_cache, config.max_num_seqs,
+                                cdiv(max_model_len, runner.block_size))
+        except Exception as error:  # an op that cannot be captured, out of memory, ...
+            why = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+    logging.getLogger(__name__).warning(f"enforce_eager=False, but decode steps run without CUDA graphs: {why}")
+    return None
