@@ -49,6 +49,7 @@ def capture(run: Callable[[], Tensor], pool: tuple | None) -> tuple[Callable[[],
 class DecodeGraphs:
     """One captured decode step per batch size, each over a static `Batch` of that many rows."""
 
+    @torch.inference_mode()  # as ModelRunner.run: the compiled layers' guards see the same mode
     def __init__(self, model: torch.nn.Module, kv_cache: Tensor, max_rows: int, max_blocks: int) -> None:
         self.model, self.graphs, pool = model, {}, None
         self.sizes = sorted({*(s for s in (1, 2, 4, 8) if s < max_rows), *range(16, max_rows, 16), max_rows})
@@ -74,7 +75,6 @@ class DecodeGraphs:
         return self.model.lm_head(hidden[batch.logits_indices]).float()
 
 
-@torch.inference_mode()  # as ModelRunner.run: the compiled layers' guards see the same mode
 def capture_graphs(runner: ModelRunner, config: Config, max_model_len: int) -> DecodeGraphs | None:
     """The runner's decode graphs where enforce_eager=False on CUDA; None elsewhere, and where they cannot
     be captured here, after one log line naming why (decode steps then run without)."""

@@ -101,8 +101,9 @@ def test_a_replay_returns_what_the_model_returns(tiny_models, graphs_on_cpu):
     for scheduled, rows in (([(prompt, 1), (decode, 1)], [1, 0]), ([(decode, 1)], [0])):
         batch = build_batch(scheduled, runner.block_size, runner.device)
         assert batch.is_decode_only and batch.logits_indices.tolist() == rows
-        expected = runner.model(batch, runner.kv_cache)  # writes the same k, v to the same slots
-        torch.testing.assert_close(runner.graphs.replay(batch), expected)
+        with torch.inference_mode():  # as ModelRunner.run
+            expected = runner.model(batch, runner.kv_cache)  # writes the same k, v to the same slots
+            torch.testing.assert_close(runner.graphs.replay(batch), expected)
 
 
 def test_where_graphs_are_not_captured(tiny_models, monkeypatch, caplog):
