@@ -153,8 +153,7 @@ class BlockManager:
         computed. Called when the step that computes them is scheduled (see the invariants)."""
         if not self.enable_prefix_caching:
             return
-        num_full = num_tokens // self.block_size
-        for i in range(len(seq.block_hashes), num_full):
+        for i in range(len(seq.block_hashes), num_tokens // self.block_size):  # the newly full blocks
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             block_hash = hash_block(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
             seq.block_hashes.append(block_hash)
