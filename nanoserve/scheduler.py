@@ -237,11 +237,10 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Finished or aborted requests return their blocks at once."""
-        if seq.status is SequenceStatus.RUNNING:
-            del self.running[seq]
-        elif seq.status is SequenceStatus.WAITING:
-            del self.waiting[seq]
+        """Finished or aborted requests leave their queue (`running`, or `waiting` for an abort) and return
+        their blocks at once."""
+        self.running.pop(seq, None)
+        self.waiting.pop(seq, None)
         self.block_manager.free(seq)
         seq.finish(reason)
 
