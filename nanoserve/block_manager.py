@@ -126,35 +126,32 @@ class BlockManager:
             seq.block_table.append(block_id)
         return True
 
-    def free(self, seq: Sequence) -> None:
-        """Return seq's blocks. Its last blocks go to the queue first: they are the least likely
-        to be shared, so they are evicted before the prefix they extend. A block cached for a step
-        that never ran (it raised) holds no KV: it leaves the cache."""
-        for i, block_id in reversed(list(enumerate(seq.block_table))):
-            block = self.blocks[block_id]
-            if (i + 1) * self.block_size > seq.num_computed_tokens:
+    def free(self, seq: Sequence, num_tokens: int = 0) -> None:
+        """Return seq's blocks past its first `num_tokens` slots: all of them by default (it finished, was
+        aborted or preempted), or those only rejected draft tokens used (`free_tail`). Its last blocks go to
+        the queue first: they are the least likely to be shared, so they are evicted before the prefix they
+        extend. A block cached for a step that never ran (it raised) holds no KV: it leaves the cache."""
+        while len(seq.block_table) > cdiv(num_tokens, self.block_size):
+            block = self.blocks[seq.block_table.pop()]
+            # the block just popped holds slots [len(block_table) * block_size, (len(block_table) + 1) * block_size)
+            if (len(seq.block_table) + 1) * self.block_size > seq.num_computed_tokens:  # not all computed
                 self.evict(block)
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue[block_id] = None
-        seq.block_table = []
-        seq.block_hashes = []
+                self.free_queue[block.block_id] = None
+        del seq.block_hashes[len(seq.block_table):]
 
     def free_tail(self, seq: Sequence, num_tokens: int) -> None:
         """Return seq's blocks past its first `num_tokens` slots: those only rejected draft tokens used
         (spec_decode.py). Never shared nor cached: no accepted token is in them."""
-        while len(seq.block_table) > cdiv(num_tokens, self.block_size):
-            block_id = seq.block_table.pop()
-            self.blocks[block_id].ref_cnt -= 1
-            self.free_queue[block_id] = None
+        self.free(seq, num_tokens)
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register in the prefix cache seq's blocks that are full once its first `num_tokens` are
         computed. Called when the step that computes them is scheduled (see the invariants)."""
         if not self.enable_prefix_caching:
             return
-        num_full = num_tokens // self.block_size
-        for i in range(len(seq.block_hashes), num_full):
+        for i in range(len(seq.block_hashes), num_tokens // self.block_size):  # the newly full blocks
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             block_hash = hash_block(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
             seq.block_hashes.append(block_hash)

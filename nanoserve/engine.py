@@ -99,9 +99,8 @@ class LLMEngine:
         detokenizer = Detokenizer(self.tokenizer, params.stop or (), params.include_stop_str_in_output,
                                   params.min_tokens) if self.tokenizer else None
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
-        seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, detokenizer, grammar)
-        if arrival_time is not None:
-            seq.arrival_time = arrival_time
+        seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, detokenizer, grammar,
+                       arrival_time)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id

@@ -192,8 +192,7 @@ def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torc
     sorted_probs = sorted_probs * (rank < k)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     keep = (mass_before < p * sorted_probs.sum(dim=-1, keepdim=True)) | (rank == 0)
-    sorted_probs = sorted_probs * keep
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
 
 
 def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[dict[int, Logprob]]:

@@ -136,8 +136,11 @@ class Scheduler:
             cached_prefix = self.block_manager.find_cached_prefix(seq, max_hit)
             num_computed = len(cached_prefix) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
-            if not self.block_manager.allocate(seq, self.slots_to_reserve(seq, num_computed + num_new), cached_prefix,
-                                               self.blocks_to_keep_free()):
+            # The KV slots seq takes now. Continuous batching: only what this step writes; later steps take
+            # blocks as tokens arrive. Static batching, difference 3 of 4: the whole request up front,
+            # because nobody knows when it will stop: so it is never preempted.
+            num_slots = self.max_kv_len(seq) if static else num_computed + num_new
+            if not self.block_manager.allocate(seq, num_slots, cached_prefix, self.blocks_to_keep_free()):
                 break  # first come, first served: no one behind it may pass
             del self.waiting[seq]
             seq.status = SequenceStatus.RUNNING
@@ -165,12 +168,6 @@ class Scheduler:
             return None
         this_step = [s.num_computed_tokens + n for s, n in planned if s.prompt_logprobs is seq.prompt_logprobs]
         return max([len(seq.prompt_logprobs) - 1, *this_step])
-
-    def slots_to_reserve(self, seq: Sequence, num_tokens_now: int) -> int:
-        """KV slots seq takes when admitted. Continuous batching: only what this step writes; later
-        steps take blocks as tokens arrive. Static batching, difference 3 of 4: the whole request up
-        front, because nobody knows when it will stop: so it is never preempted."""
-        return num_tokens_now if self.config.scheduling == "continuous" else self.max_kv_len(seq)
 
     def max_kv_len(self, seq: Sequence) -> int:
         """The most KV seq can ever hold: prompt + max_tokens - 1 (the last sampled token is never
@@ -240,11 +237,10 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Finished or aborted requests return their blocks at once."""
-        if seq.status is SequenceStatus.RUNNING:
-            del self.running[seq]
-        elif seq.status is SequenceStatus.WAITING:
-            del self.waiting[seq]
+        """Finished or aborted requests leave their queue (`running`, or `waiting` for an abort) and return
+        their blocks at once."""
+        self.running.pop(seq, None)
+        self.waiting.pop(seq, None)
         self.block_manager.free(seq)
         seq.finish(reason)
 

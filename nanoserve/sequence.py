@@ -26,7 +26,7 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, detokenizer: Detokenizer | None = None,
-                 grammar: RequestGrammar | None = None) -> None:
+                 grammar: RequestGrammar | None = None, arrival_time: float | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
@@ -43,7 +43,7 @@ class Sequence:
         self.finish_reason: str | None = None            # "stop" | "length" | "abort"
         # TTFT and latency count from here: add_request, or the HTTP request's arrival when a server
         # passes it (add_request's arrival_time), so time spent queued before the engine counts too.
-        self.arrival_time = time.perf_counter()
+        self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.detokenizer = detokenizer                   # the output text; None without a tokenizer

@@ -53,15 +53,14 @@ class LlamaAttention(nn.Module):
     """Fused qkv projection (with a bias where `qkv_bias`), RoPE, paged attention (attention.py), output
     projection. Split over `shard.size` ranks (distributed.py), each has its 1/size of the heads."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, attention: AttentionBackend, shard: Shard,
-                 qkv_bias: bool):
+    def __init__(self, config: PretrainedConfig, attention: AttentionBackend, shard: Shard, qkv_bias: bool):
         super().__init__()
         self.shard = shard
         self.num_heads = config.num_attention_heads // shard.size
         self.num_kv_heads = config.num_key_value_heads // shard.size
         assert self.num_heads % self.num_kv_heads == 0, "query heads must split evenly over kv heads"
-        self.head_dim = head_dim
-        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.head_dim = get_head_dim(config)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)  # this rank's heads in
         self.attention = attention  # the model's one backend, shared by every layer
@@ -95,11 +94,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int, attention: AttentionBackend, shard: Shard,
-                 qkv_bias: bool):
+    def __init__(self, config: PretrainedConfig, attention: AttentionBackend, shard: Shard, qkv_bias: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, head_dim, attention, shard, qkv_bias)
+        self.self_attn = LlamaAttention(config, attention, shard, qkv_bias)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, shard)
 
@@ -112,13 +110,13 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm: HF's `model.*` half of the checkpoint."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, attention_backend: str, shard: Shard,
-                 qkv_bias: bool):
+    def __init__(self, config: PretrainedConfig, attention_backend: str, shard: Shard, qkv_bias: bool):
         super().__init__()
         self.shard = shard
+        head_dim = get_head_dim(config)
         self.embed_tokens = nn.Embedding(config.vocab_size // shard.size, config.hidden_size)  # a vocab range
         self.attention = BACKENDS[attention_backend](scale=head_dim ** -0.5)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, head_dim, self.attention, shard, qkv_bias)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.attention, shard, qkv_bias)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(head_dim, config.rope_parameters)
@@ -151,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads // shard.size  # in this rank's KV cache
         self.vocab_size = config.vocab_size
-        self.model = LlamaModel(config, self.head_dim, attention_backend, shard, qkv_bias)
+        self.model = LlamaModel(config, attention_backend, shard, qkv_bias)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // shard.size, bias=False)  # a vocab range
 
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor | None:
