@@ -37,9 +37,9 @@ def resolve_dtype(name: str, device: torch.device, model: str | None = None) -> 
     the `dtype` (or older `torch_dtype`) in `model`'s config.json, float32 where it names none; on
     CUDA float32 becomes bfloat16 (flash-attn needs 16 bits), or float16 below compute capability 8.0,
     which has no bfloat16 tensor cores (vLLM's rule). On a CPU "auto" keeps bfloat16 only where its
-    matmuls beat float32 at batch decode (`has_native_bf16(batched=True)`: AMX on x86), else runs
-    float32 and logs why (`why_not_native_bf16`); a bfloat16 asked for by name obeys, with a warning
-    where it is emulated, naming why."""
+    matmuls beat float32 at batch decode (AMX on x86: `why_not_native_bf16(batched=True)` is None), else
+    runs float32 and logs that reason; a bfloat16 asked for by name obeys, with a warning where it is
+    emulated, naming why."""
     asked = name
     if name == "auto":
         config_file = Path(model or "", "config.json")
@@ -71,11 +71,6 @@ def has_onednn(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return dtype == torch.float32 and platform.machine().lower() in X86
-
-
-def has_native_bf16(batched: bool = False) -> bool:
-    """Whether this CPU multiplies bfloat16 natively (`batched`: and faster than float32 at batch decode)."""
-    return why_not_native_bf16(batched) is None
 
 
 def why_not_native_bf16(batched: bool = False) -> str | None:
