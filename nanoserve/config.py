@@ -53,10 +53,8 @@ class Config:
         require(isinstance(self.model, str), "model", self.model, "a path to a model folder (str)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             check_positive_int(name, getattr(self, name))
-        if self.block_size != "auto":
-            check_positive_int("block_size", self.block_size)
-        for name in ("num_kvcache_blocks", "max_model_len"):
-            if getattr(self, name) is not None:
+        for name, unset in (("block_size", "auto"), ("num_kvcache_blocks", None), ("max_model_len", None)):
+            if getattr(self, name) != unset:  # the value that leaves it to be derived (see the fields' comments)
                 check_positive_int(name, getattr(self, name))
         require(self.scheduling in ("continuous", "static"), "scheduling", self.scheduling, "'continuous' or 'static'")
         require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
