@@ -91,9 +91,7 @@ def why_not_native_bf16(batched: bool = False) -> str | None:
         return None
     if not torch.cpu._is_avx512_bf16_supported():
         return "no AVX512-BF16 nor AMX: AVX-512 converts each product to float32"
-    if batched:
-        return "no AMX: with AVX512-BF16 alone, batch decode is slower than in float32"
-    return None
+    return "no AMX: with AVX512-BF16 alone, batch decode is slower than in float32" if batched else None
 
 
 def free_memory(device: torch.device) -> tuple[int, int]:
