@@ -40,20 +40,19 @@ def resolve_dtype(name: str, device: torch.device, model: str | None = None) -> 
     matmuls beat float32 at batch decode (AMX on x86: `why_not_native_bf16(batched=True)` is None), else
     runs float32 and logs that reason; a bfloat16 asked for by name obeys, with a warning where it is
     emulated, naming why."""
-    asked = name
     if name == "auto":
         config_file = Path(model or "", "config.json")
         saved = json.loads(config_file.read_text()) if model and config_file.is_file() else {}
-        name = saved.get("dtype") or saved.get("torch_dtype")
-        dtype = getattr(torch, name) if name in ("float32", "bfloat16", "float16") else torch.float32
+        saved_name = saved.get("dtype") or saved.get("torch_dtype")
+        dtype = getattr(torch, saved_name) if saved_name in ("float32", "bfloat16", "float16") else torch.float32
         if device.type == "cuda" and dtype != torch.float16:
             dtype = torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
     else:
         dtype = getattr(torch, name)
     if dtype != torch.bfloat16 or device.type != "cpu":
         return dtype
-    why_not = why_not_native_bf16(batched=asked == "auto")
-    if why_not is not None and asked == "auto":
+    why_not = why_not_native_bf16(batched=name == "auto")
+    if why_not is not None and name == "auto":
         logging.getLogger(__name__).warning(f"dtype='auto': the checkpoint is bfloat16, but on this CPU bfloat16 "
                                             f"matmuls are slower than float32 ({why_not}): running in float32")
         return torch.float32
