@@ -65,9 +65,8 @@ class Config:
                 "a str such as 'cpu', 'cuda', 'cuda:1' or 'mps'")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # raises a ValueError naming the key at fault
-        utilization = self.gpu_memory_utilization
-        require(is_finite_real(utilization) and 0 < utilization <= 1, "gpu_memory_utilization", utilization,
-                "a number in (0, 1]")
+        require(is_finite_real(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+                "gpu_memory_utilization", self.gpu_memory_utilization, "a number in (0, 1]")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: object) -> Config:
