@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-from nanoserve.sampler import is_finite_real
+from nanoserve.sampler import is_finite_real, require
 from nanoserve.spec_decode import SpeculativeConfig
 
 # Without num_kvcache_blocks on a CPU, the KV cache takes at most this share of available RAM.
@@ -50,29 +50,23 @@ class Config:
     speculative_config: dict | None = None    # vLLM's, method "ngram" only (spec_decode.py); None: off
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, str):
-            raise ValueError(f"model must be a path to a model folder (str), got {self.model!r}")
+        require(isinstance(self.model, str), "model", self.model, "a path to a model folder (str)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             check_positive_int(name, getattr(self, name))
-        if self.block_size != "auto":
-            check_positive_int("block_size", self.block_size)
-        for name in ("num_kvcache_blocks", "max_model_len"):
-            if getattr(self, name) is not None:
+        for name, unset in (("block_size", "auto"), ("num_kvcache_blocks", None), ("max_model_len", None)):
+            if getattr(self, name) != unset:  # the value that leaves it to be derived (see the fields' comments)
                 check_positive_int(name, getattr(self, name))
-        if self.scheduling not in ("continuous", "static"):
-            raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        require(self.scheduling in ("continuous", "static"), "scheduling", self.scheduling, "'continuous' or 'static'")
+        require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
+                "auto, float32, bfloat16 or float16")
         for name in ("enable_prefix_caching", "enforce_eager"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.device is not None and not isinstance(self.device, str):
-            raise ValueError(f"device must be a str such as 'cpu', 'cuda', 'cuda:1' or 'mps', got {self.device!r}")
+            require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
+        require(self.device is None or isinstance(self.device, str), "device", self.device,
+                "a str such as 'cpu', 'cuda', 'cuda:1' or 'mps'")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # raises a ValueError naming the key at fault
-        utilization = self.gpu_memory_utilization
-        if not (is_finite_real(utilization) and 0 < utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
+        require(is_finite_real(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+                "gpu_memory_utilization", self.gpu_memory_utilization, "a number in (0, 1]")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: object) -> Config:
@@ -84,8 +78,7 @@ class Config:
 
 
 def check_positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, value, "a positive int")
 
 
 def cdiv(a: int, b: int) -> int:

@@ -37,23 +37,22 @@ def resolve_dtype(name: str, device: torch.device, model: str | None = None) -> 
     the `dtype` (or older `torch_dtype`) in `model`'s config.json, float32 where it names none; on
     CUDA float32 becomes bfloat16 (flash-attn needs 16 bits), or float16 below compute capability 8.0,
     which has no bfloat16 tensor cores (vLLM's rule). On a CPU "auto" keeps bfloat16 only where its
-    matmuls beat float32 at batch decode (`has_native_bf16(batched=True)`: AMX on x86), else runs
-    float32 and logs why (`why_not_native_bf16`); a bfloat16 asked for by name obeys, with a warning
-    where it is emulated, naming why."""
-    asked = name
+    matmuls beat float32 at batch decode (AMX on x86: `why_not_native_bf16(batched=True)` is None), else
+    runs float32 and logs that reason; a bfloat16 asked for by name obeys, with a warning where it is
+    emulated, naming why."""
     if name == "auto":
         config_file = Path(model or "", "config.json")
         saved = json.loads(config_file.read_text()) if model and config_file.is_file() else {}
-        name = saved.get("dtype") or saved.get("torch_dtype")
-        dtype = getattr(torch, name) if name in ("float32", "bfloat16", "float16") else torch.float32
+        saved_name = saved.get("dtype") or saved.get("torch_dtype")
+        dtype = getattr(torch, saved_name) if saved_name in ("float32", "bfloat16", "float16") else torch.float32
         if device.type == "cuda" and dtype != torch.float16:
             dtype = torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
     else:
         dtype = getattr(torch, name)
     if dtype != torch.bfloat16 or device.type != "cpu":
         return dtype
-    why_not = why_not_native_bf16(batched=asked == "auto")
-    if why_not is not None and asked == "auto":
+    why_not = why_not_native_bf16(batched=name == "auto")
+    if why_not is not None and name == "auto":
         logging.getLogger(__name__).warning(f"dtype='auto': the checkpoint is bfloat16, but on this CPU bfloat16 "
                                             f"matmuls are slower than float32 ({why_not}): running in float32")
         return torch.float32
@@ -71,11 +70,6 @@ def has_onednn(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return dtype == torch.float32 and platform.machine().lower() in X86
-
-
-def has_native_bf16(batched: bool = False) -> bool:
-    """Whether this CPU multiplies bfloat16 natively (`batched`: and faster than float32 at batch decode)."""
-    return why_not_native_bf16(batched) is None
 
 
 def why_not_native_bf16(batched: bool = False) -> str | None:
@@ -96,9 +90,7 @@ def why_not_native_bf16(batched: bool = False) -> str | None:
         return None
     if not torch.cpu._is_avx512_bf16_supported():
         return "no AVX512-BF16 nor AMX: AVX-512 converts each product to float32"
-    if batched:
-        return "no AMX: with AVX512-BF16 alone, batch decode is slower than in float32"
-    return None
+    return "no AMX: with AVX512-BF16 alone, batch decode is slower than in float32" if batched else None
 
 
 def free_memory(device: torch.device) -> tuple[int, int]:

@@ -33,7 +33,7 @@ class TensorParallelRunner(ModelRunner):
         shard = Shard(0, config.tensor_parallel_size)
         self.workers = Workers(config, max_model_len, device)
         # at close(), or once this runner is garbage (an LLM dropped without close()); only once
-        self.release = weakref.finalize(self, shut_down, self.workers)
+        self.release = weakref.finalize(self, self.workers.close)
         try:
             self.workers.wait_until_started()
             join_group(shard, self.workers.store, rank_device(device, 0))
@@ -135,25 +135,21 @@ class Workers:
         return None
 
     def close(self) -> None:
-        """Stop every worker: ask (None instead of a Batch), wait a little, then terminate."""
-        for pipe in self.pipes:
-            with contextlib.suppress(OSError):  # that worker is gone already
-                pipe.send(None)
-        for process in self.processes:
-            process.join(timeout=2)  # one stuck in a collective never reads the pipe
-            if process.is_alive():
-                process.terminate()
-                process.join()
-        self.pipes, self.processes, self.store = [], [], None  # the store's port is free once collected
-
-
-def shut_down(workers: Workers) -> None:
-    """Rank 0's end of tensor parallelism: stop the workers, leave the process group."""
-    try:
-        workers.close()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Rank 0's end of tensor parallelism: stop every worker (ask with None instead of a Batch, wait a
+        little, then terminate), then leave the process group."""
+        try:
+            for pipe in self.pipes:
+                with contextlib.suppress(OSError):  # that worker is gone already
+                    pipe.send(None)
+            for process in self.processes:
+                process.join(timeout=2)  # one stuck in a collective never reads the pipe
+                if process.is_alive():
+                    process.terminate()
+                    process.join()
+            self.pipes, self.processes, self.store = [], [], None  # the store's port is free once collected
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: object,

@@ -53,10 +53,9 @@ class StructuredOutputsParams:
         for name in ("regex", "grammar"):
             require(getattr(self, name) is None or isinstance(getattr(self, name), str), "structured_outputs",
                     getattr(self, name), f"a str {name}")
-        choice = self.choice
-        ok = choice is None or isinstance(choice, (list, tuple)) and all(isinstance(c, str) for c in choice)
-        require(ok, "structured_outputs", self.choice, "a choice given as a list of strs")
         if self.choice is not None:
+            require(isinstance(self.choice, (list, tuple)) and all(isinstance(c, str) for c in self.choice),
+                    "structured_outputs", self.choice, "a choice given as a list of strs")
             object.__setattr__(self, "choice", tuple(self.choice))
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from nanoserve.sampler import InvalidRequest, is_int
 
@@ -15,14 +15,12 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     """The folder's tokenizer, or None if it has none (then prompts must be token ids)."""
     if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
 
 
 def read_eos_token_ids(path: str, hf_config: PretrainedConfig) -> set[int]:
     """EOS ids from config.json and, where present, generation_config.json (Llama 3 Instruct
     lists its end-of-turn token only there)."""
-    from transformers import GenerationConfig
     ids = [hf_config.eos_token_id]
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         ids.append(GenerationConfig.from_pretrained(path).eos_token_id)
@@ -45,7 +43,6 @@ def tokenize(prompt: str | list[int], tokenizer: PreTrainedTokenizerBase | None,
         raise InvalidRequest("prompt", "prompt must be a string or a list of int token ids")
     if not token_ids:
         raise InvalidRequest("prompt", "prompt is empty")
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
+    if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
         raise InvalidRequest("prompt", f"token ids {bad[:5]} are outside [0, vocab_size={vocab_size})")
     return token_ids

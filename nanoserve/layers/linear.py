@@ -14,12 +14,6 @@ from torch import nn
 from nanoserve.device import has_onednn
 
 
-def column_major(weight: torch.Tensor) -> torch.Tensor:
-    """The same `[out, in]` weight, laid out as `[in, out]` in memory (strides (1, out)): on CPU in
-    float32, `x @ weight.T` is then MKL's plain (not transposed) GEMM, faster at one-row decode."""
-    return weight.t().contiguous().t()
-
-
 class PackedLinear(nn.Module):
     """nn.Linear, its weight laid out once in oneDNN's own blocked format (its bias, if any, kept as it
     is: oneDNN adds it to the product). The packed weight is opaque (only this reads it) and a copy: a
@@ -60,7 +54,9 @@ def pack_linears(model: nn.Module, max_num_seqs: int) -> nn.Module:
             continue
         layout = choose_linear(module.weight.dtype, max_num_seqs)
         if layout == "column_major" and id(module.weight) not in embeddings:
-            module.weight = nn.Parameter(column_major(module.weight), requires_grad=False)
+            # The same [out, in] weight, laid out as [in, out] in memory (strides (1, out)): on CPU in float32,
+            # x @ weight.T is then MKL's plain (not transposed) GEMM, faster at one-row decode.
+            module.weight = nn.Parameter(module.weight.t().contiguous().t(), requires_grad=False)
         elif layout == "packed":
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, PackedLinear(module))

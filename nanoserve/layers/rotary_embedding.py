@@ -22,9 +22,7 @@ def compute_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
         raise ValueError("partial_rotary_factor != 1.0 is not supported")
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
     inv_freq = 1.0 / (params["rope_theta"] ** exponents)  # [head_dim // 2]
-    if rope_type == "default":
-        return inv_freq
-    return scale_llama3(inv_freq, params)
+    return inv_freq if rope_type == "default" else scale_llama3(inv_freq, params)
 
 
 def scale_llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:

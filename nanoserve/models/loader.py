@@ -63,10 +63,9 @@ def checkpoint_parts(param_name: str, table: dict[str, tuple[str, int]]) -> list
     """Our parameter -> the checkpoint tensors it is made of, in order, each with its split dim, as the
     model's `table` says (llama.py's CHECKPOINT_MODULES): "model.layers.0.self_attn.qkv_proj.weight" ->
     [("model.layers.0.self_attn.q_proj.weight", 0), (k...), (v...)]; a bias likewise."""
-    module_path, leaf = param_name.rsplit(".", 1)  # "model.layers.0.self_attn.qkv_proj", "weight"
-    module = module_path.rpartition(".")[2]  # "qkv_proj"
-    parent = module_path[:len(module_path) - len(module)]  # "model.layers.0.self_attn." ("" for lm_head)
-    parts = [(f"{parent}{theirs}.{leaf}", dim) for theirs, (ours, dim) in table.items() if ours == module]
+    # ["model", "layers", "0", "self_attn"] ([] for lm_head), "qkv_proj", "weight"
+    *parents, module, leaf = param_name.split(".")
+    parts = [(".".join([*parents, theirs, leaf]), dim) for theirs, (ours, dim) in table.items() if ours == module]
     return parts or [(param_name, None)]  # not in the table (the norms): the same name, whole on every rank
 
 
@@ -138,8 +137,7 @@ def check_checkpoint(files: dict[str, Path], config: PretrainedConfig, used: set
             found = f.get_slice(name).get_shape()
         if tuple(found) != shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {list(found)}, expected {list(shape)}")
-    missing = sorted(used - files.keys())  # e.g. a family without biases registered with a bias flag
-    if missing:
+    if missing := sorted(used - files.keys()):  # e.g. a family without biases registered with a bias flag
         raise ValueError(f"checkpoint is missing tensor {missing[0]!r}, which our model reads")
 
 
