@@ -128,9 +128,10 @@ class BlockManager:
 
     def free(self, seq: Sequence, num_tokens: int = 0) -> None:
         """Return seq's blocks past its first `num_tokens` slots: all of them by default (it finished, was
-        aborted or preempted), or those only rejected draft tokens used (`free_tail`). Its last blocks go to
-        the queue first: they are the least likely to be shared, so they are evicted before the prefix they
-        extend. A block cached for a step that never ran (it raised) holds no KV: it leaves the cache."""
+        aborted or preempted), or those only rejected draft tokens used (spec_decode.py: never shared nor
+        cached, as no accepted token is in them). Its last blocks go to the queue first: they are the least
+        likely to be shared, so they are evicted before the prefix they extend. A block cached for a step
+        that never ran (it raised) holds no KV: it leaves the cache."""
         while len(seq.block_table) > cdiv(num_tokens, self.block_size):
             block = self.blocks[seq.block_table.pop()]
             # the block just popped holds slots [len(block_table) * block_size, (len(block_table) + 1) * block_size)
@@ -140,11 +141,6 @@ class BlockManager:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = None
         del seq.block_hashes[len(seq.block_table):]
-
-    def free_tail(self, seq: Sequence, num_tokens: int) -> None:
-        """Return seq's blocks past its first `num_tokens` slots: those only rejected draft tokens used
-        (spec_decode.py). Never shared nor cached: no accepted token is in them."""
-        self.free(seq, num_tokens)
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register in the prefix cache seq's blocks that are full once its first `num_tokens` are

@@ -138,7 +138,8 @@ class NgramSpeculator:
         for j in range(num_accepted):
             self.num_accepted_tokens_per_pos[j] += 1
         seq.num_computed_tokens -= len(drafts) - num_accepted  # a rejected draft's KV slot is written over later
-        scheduler.block_manager.free_tail(seq, seq.num_computed_tokens + 1)  # + the bonus token, next step
+        # blocks only rejected drafts used go back; + 1 keeps the bonus token's slot, written next step
+        scheduler.block_manager.free(seq, seq.num_computed_tokens + 1)
         for token, logprobs in rows[:num_accepted + 1]:
             seq.append_token(token, logprobs)
             if (reason := scheduler.stop_reason(seq)) is not None:
