@@ -44,8 +44,9 @@ class Config:
     scheduling: str = "continuous"            # "continuous" | "static" (the baseline)
     gpu_memory_utilization: float = 0.9       # share of GPU memory for weights + KV cache
     tensor_parallel_size: int = 1             # processes (ranks) the model is split over (parallel.py)
-    # True: op by op, the readable reference. False: compiled (compilation.py), opt-in: on the CPUs measured it
-    # was no faster at one request, slower at 48, and took 30-90 s to start (docs/performance.md, "The compiled step")
+    # True: op by op, the readable reference. False: compiled (compilation.py), and on CUDA with flash-attn decode
+    # steps replay CUDA graphs (cuda_graphs.py). Opt-in: on the CPUs measured it was no faster at one request,
+    # slower at 48, and took 30-90 s to start (docs/performance.md, "The compiled step")
     enforce_eager: bool = True
     speculative_config: dict | None = None    # vLLM's, method "ngram" only (spec_decode.py); None: off
 
