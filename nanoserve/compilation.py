@@ -60,13 +60,18 @@ def compile_model(runner: ModelRunner, config: Config) -> bool:
                 warm_up(runner)
             return True
         except Exception as error:  # a missing C++ compiler, an op inductor cannot lower, ...
-            why = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"  # its first line
+            why = describe(error)
             del backend.forward  # the class's own again
             for layer in layers:
                 layer._compiled_call_impl = None  # nn.Module.compile's undo
     logging.getLogger(__name__).warning(f"enforce_eager=False, but the model runs eager: {why}")
     pack_linears(runner.model, config.max_num_seqs)
     return False
+
+
+def describe(error: Exception) -> str:
+    """An error as one log line's reason: its type and the first line of its message."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
 def warm_up(runner: ModelRunner) -> None:

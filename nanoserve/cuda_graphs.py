@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from nanoserve.batch import Batch, build_batch
+from nanoserve.compilation import describe
 from nanoserve.config import Config, cdiv
 from nanoserve.sampler import SamplingParams
 from nanoserve.sequence import Sequence
@@ -87,6 +88,6 @@ def capture_graphs(runner: ModelRunner, config: Config, max_model_len: int) -> D
             return DecodeGraphs(runner.model, runner.kv_cache, config.max_num_seqs,
                                 cdiv(max_model_len, runner.block_size))
         except Exception as error:  # an op that cannot be captured, out of memory, ...
-            why = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+            why = describe(error)
     logging.getLogger(__name__).warning(f"enforce_eager=False, but decode steps run without CUDA graphs: {why}")
     return None
