@@ -89,7 +89,8 @@ def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, device: 
         start = seq.num_computed_tokens
         prompt_rows += [len(input_ids) + p - start for p in positions]  # rows of the flat batch
         next_token_ids += seq.token_ids[positions.start + 1:positions.stop + 1]
-        input_ids += seq.token_ids[start:start + num_new] + seq.spec_token_ids  # drafts: after its last token
+        # num_new counts a request's drafts too (spec_decode.py): they follow its last token, which token_ids ends with
+        input_ids += seq.token_ids[start:start + num_new - len(seq.spec_token_ids)] + seq.spec_token_ids
     query_lens = np.array([num_new for _, num_new in scheduled], np.int64)
     seq_lens = np.array([seq.num_computed_tokens + num_new for seq, num_new in scheduled], np.int64)
     # Rows each request samples from: its last token's, and its drafts' (spec_decode.py); none mid-prompt

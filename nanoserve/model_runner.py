@@ -21,7 +21,7 @@ from nanoserve.models import get_head_dim
 from nanoserve.models.loader import load_model, read_config
 from nanoserve.sampler import Logprob, SamplerOutput, SamplingParams, sample, top_logprobs
 from nanoserve.sequence import Sequence
-from nanoserve.spec_decode import verify_rows
+from nanoserve.spec_decode import sampling_rows
 from nanoserve.tokenizer import read_eos_token_ids
 
 
@@ -101,18 +101,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch, scheduled: list[tuple[Sequence, int]]) -> SamplerOutput:
-        """One forward pass over the flat batch, then one token for each request that samples now, with
-        the logprobs asked for. A worker (no `scheduled`: rank 0 samples) returns nothing."""
+        """One forward pass over the flat batch, then one token for each request that samples now (and
+        one per draft it verifies: spec_decode.py), with the logprobs asked for. A worker (no `scheduled`:
+        rank 0 samples) returns nothing."""
         # [S + P, vocab]: the rows that sample, then prompt-logprob rows; decode steps replay a graph where captured
         logits = (self.graphs.replay(batch) if self.graphs and batch.is_decode_only else
                   self.model(batch, self.kv_cache))
         if not scheduled:
             return SamplerOutput([], [], [])
         seqs = [seq for seq, num_new in scheduled if samples_now(seq, num_new)]
-        num_rows = len(batch.logits_indices) - len(batch.next_token_ids)  # S: more than len(seqs) with drafts
-        seqs, num_generated = (verify_rows(seqs) if num_rows > len(seqs) else  # a row per draft too
-                               (seqs, [s.num_tokens - s.num_prompt_tokens for s in seqs]))
-        sampling, prompt_rows = logits[:num_rows], logits[num_rows:]  # [S, vocab], [P, vocab]
+        seqs, num_generated = sampling_rows(seqs)  # a row per request, and one per draft (spec_decode.py)
+        sampling, prompt_rows = logits[:len(seqs)], logits[len(seqs):]  # [S, vocab], [P, vocab]
         # penalties, grammars...: logits_processors.py (a request using them has no drafts: one row each)
         processed = process_logits(sampling, seqs, self.eos_token_ids)
         token_ids = sample(processed, [s.params for s in seqs], num_generated)

@@ -59,7 +59,7 @@ class RequestDelta:
 class StepResult:
     batch: Batch | None                  # the flat batch the model ran (None if nothing ran)
     scheduled: list[tuple[str, int]]     # (request_id, num_tokens) in batch order
-    decode_ids: list[str]                # the requests that decoded (one token past the prompt);
+    decode_ids: list[str]                # the requests that decoded (one token past the prompt, and drafts);
                                          # the others ran a prefill chunk
     outputs: list[RequestOutput]         # requests that finished in this step, or were aborted since the last
     deltas: list[RequestDelta]           # one per request that sampled a token, in batch order

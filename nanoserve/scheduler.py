@@ -2,8 +2,9 @@
 
 Continuous batching works token by token, not request by request. Each step has one token budget
 (`max_num_batched_tokens`) that all requests share:
-1. Running requests go first, oldest first: one decode token each, or the next chunk of a prompt
-   that did not fit in earlier steps (chunked prefill). Prefill chunks and decodes mix freely:
+1. Running requests go first, oldest first: one decode token each (with speculative decoding, plus
+   its draft tokens: spec_decode.py), or the next chunk of a prompt that did not fit in earlier steps
+   (chunked prefill). Prefill chunks and decodes mix freely:
    "all requests' current tokens flattened into one batch".
 2. Then waiting requests are admitted first come, first served, while budget, blocks and
    `max_num_seqs` allow, and while the free blocks still cover the running requests' next
@@ -15,8 +16,9 @@ token fits, the newest running request is preempted by recompute: its blocks are
 back to the front of the queue, ahead of requests that never ran. Its tokens are kept, so nothing
 is lost. A step that preempted admits no one.
 
-After the model ran, `update` appends each sampled token and `stop_reason` applies every stop rule
-(EOS, stop tokens, stop strings, max_tokens, max_model_len) in one place.
+After the model ran, `update` appends each sampled token (with drafts: the accepted ones and the
+sample after them) and `stop_reason` applies every stop rule (EOS, stop tokens, stop strings,
+max_tokens, max_model_len) in one place, after each token.
 
 Prompt logprobs need the logits of every prompt position, and a prefix-cache hit skips the positions
 it covers. So the requests that ask for the same prompt's logprobs (the n samples of an echoed prompt)
@@ -198,8 +200,8 @@ class Scheduler:
 
     def update(self, scheduled: list[ScheduledSeq], output: SamplerOutput) -> list[Sequence]:
         """After the model ran: advance each request, append the sampled tokens (one for every
-        request whose last token ran, in batch order) and the logprobs, and finish those that stop.
-        Returns those."""
+        request whose last token ran, in batch order; more where drafts were accepted) and the
+        logprobs, and finish those that stop. Returns those."""
         sampled = zip(output.token_ids, output.logprobs)
         prompt_logprobs = iter(output.prompt_logprobs)
         finished = []
@@ -211,14 +213,15 @@ class Scheduler:
             seq.num_computed_tokens += num_new
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt: no token yet
-            if seq.spec_token_ids:  # 1 + k sampled rows verify its k drafts (spec_decode.py)
-                reason = self.spec.accept(seq, sampled, self)
-            else:
-                seq.append_token(*next(sampled))
-                reason = self.stop_reason(seq)
-            if reason is not None:
-                self.finish(seq, reason)
-                finished.append(seq)
+            rows = [next(sampled) for _ in range(1 + len(seq.spec_token_ids))]  # its token; with drafts, 1 + k
+            if seq.spec_token_ids:  # the rows verify its k drafts: keep those accepted (spec_decode.py)
+                rows = self.spec.accept(seq, rows, self.block_manager)
+            for token, logprobs in rows:
+                seq.append_token(token, logprobs)
+                if (reason := self.stop_reason(seq)) is not None:
+                    self.finish(seq, reason)
+                    finished.append(seq)
+                    break
         return finished
 
     def stop_reason(self, seq: Sequence) -> str | None:

@@ -22,7 +22,8 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    """One request. `token_ids` grows by one sampled token per decode step."""
+    """One request. `token_ids` grows by one sampled token per decode step (by the accepted drafts
+    too, with speculative decoding: spec_decode.py)."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, detokenizer: Detokenizer | None = None,

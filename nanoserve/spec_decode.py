@@ -26,7 +26,6 @@ rolls back over it and a later step writes over it; blocks that held only reject
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +36,7 @@ from nanoserve.sampler import Logprob, is_int, require
 from nanoserve.sequence import Sequence
 
 if TYPE_CHECKING:
+    from nanoserve.block_manager import BlockManager
     from nanoserve.scheduler import ScheduledSeq, Scheduler
 
 # With this many requests running, a step has no drafts: a large batch is compute-bound, and rejected drafts cost.
@@ -47,7 +47,7 @@ DISABLE_BY_BATCH_SIZE = 8
 class SpeculativeConfig:
     """vLLM's `speculative_config` keys for method "ngram". Without prompt_lookup_min and _max both are 5, as in
     vLLM; with one, the other takes its value. disable_by_batch_size: no drafts while this many requests run
-    (vLLM's default is never; ours is DISABLE_BY_BATCH_SIZE, see docs/performance.md)."""
+    (vLLM's default is never; ours is DISABLE_BY_BATCH_SIZE, see docs/speculative-decoding.md)."""
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
@@ -105,18 +105,18 @@ class NgramSpeculator:
             return scheduled
         manager, block_size = scheduler.block_manager, scheduler.block_manager.block_size
         budget = scheduler.config.max_num_batched_tokens - sum(n for _, n in scheduled)
-        spare_blocks = max(0, manager.num_free_blocks - scheduler.blocks_to_keep_free())
+        reserve = scheduler.blocks_to_keep_free()
         planned = []
         for seq, num_new in scheduled:
             # A decode (its last token runs), unless its logits are processed (logits_processors.py): penalties and
             # grammars follow the output token by token, and a draft's row would not see the drafts before it.
             if num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1 and not uses_processors(seq.params):
+                spare_blocks = max(0, manager.num_free_blocks - reserve)
                 room = min(self.config.num_speculative_tokens, budget, scheduler.max_kv_len(seq) - seq.num_tokens,
                            (len(seq.block_table) + spare_blocks) * block_size - seq.num_tokens)
                 seq.spec_token_ids = self.propose(seq.token_ids, room) if room > 0 else []
-                held = len(seq.block_table)
-                assert manager.allocate(seq, seq.num_tokens + len(seq.spec_token_ids)), f"{seq}: no room for drafts"
-                spare_blocks -= len(seq.block_table) - held
+                allocated = manager.allocate(seq, seq.num_tokens + len(seq.spec_token_ids))  # not in the assert: -O
+                assert allocated, f"{seq}: no room for drafts"
                 num_new += len(seq.spec_token_ids)
                 budget -= len(seq.spec_token_ids)
             planned.append((seq, num_new))
@@ -125,13 +125,12 @@ class NgramSpeculator:
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         return propose_ngram(np.asarray(token_ids), k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
-    def accept(self, seq: Sequence, sampled: Iterator[tuple[int, dict[int, Logprob] | None]],
-               scheduler: Scheduler) -> str | None:
-        """After the step verified seq's drafts: take its 1 + k sampled rows, keep the drafts that equal their
-        position's sample and the sample after them, roll back over the rest, and append the kept tokens one by
-        one until a stop rule fires. Returns the stop reason, if any."""
+    def accept(self, seq: Sequence, rows: list[tuple[int, dict[int, Logprob] | None]],
+               block_manager: BlockManager) -> list[tuple[int, dict[int, Logprob] | None]]:
+        """After the step verified seq's drafts with its 1 + k sampled rows (token, logprobs): keep the drafts
+        that equal their position's sample, roll back over the rest, and return the rows of the tokens kept:
+        the accepted drafts and the sample after them, which the scheduler appends until a stop rule fires."""
         drafts, seq.spec_token_ids = seq.spec_token_ids, []
-        rows = [next(sampled) for _ in range(1 + len(drafts))]
         num_accepted = next((j for j, draft in enumerate(drafts) if draft != rows[j][0]), len(drafts))
         self.num_drafts += 1
         self.num_draft_tokens += len(drafts)
@@ -139,12 +138,8 @@ class NgramSpeculator:
             self.num_accepted_tokens_per_pos[j] += 1
         seq.num_computed_tokens -= len(drafts) - num_accepted  # a rejected draft's KV slot is written over later
         # blocks only rejected drafts used go back; + 1 keeps the bonus token's slot, written next step
-        scheduler.block_manager.free(seq, seq.num_computed_tokens + 1)
-        for token, logprobs in rows[:num_accepted + 1]:
-            seq.append_token(token, logprobs)
-            if (reason := scheduler.stop_reason(seq)) is not None:
-                return reason
-        return None
+        block_manager.free(seq, seq.num_computed_tokens + 1)
+        return rows[:num_accepted + 1]
 
     def stats(self) -> dict[str, int | list[int]]:
         """vLLM's spec-decode counters since start: verification steps with drafts, draft tokens, accepted ones,
@@ -154,8 +149,9 @@ class NgramSpeculator:
                     num_accepted_tokens=sum(per_pos), num_accepted_tokens_per_pos=list(per_pos))
 
 
-def verify_rows(seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
-    """The sampled rows of a step with drafts: 1 + k per request (its last token, then each draft), with how many
-    tokens the request has sampled before each, so that every row samples as a step without drafts would."""
+def sampling_rows(seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+    """The sampled rows of a step: 1 + k per request (its last token, then each of its k drafts; k = 0 without),
+    with how many tokens the request has sampled before each, so that every row samples as a step without
+    drafts would."""
     rows = [(seq, j) for seq in seqs for j in range(1 + len(seq.spec_token_ids))]
     return [seq for seq, _ in rows], [seq.num_tokens - seq.num_prompt_tokens + j for seq, j in rows]

@@ -39,7 +39,7 @@ while engine.has_unfinished_requests():
     print(format_step(result, step))
     tokens_per_step.append(sum(len(delta.token_ids) for delta in result.deltas))
     outputs += result.outputs
-    engine.assert_invariants()  # rejected drafts hold no block past the tokens kept
+    engine.assert_invariants()  # every block and request accounted for, after each step
 
 # %% [markdown]
 # A step that verified drafts shows them in its `decode` line ("+ 3 drafts, 1 accepted"): its

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import conftest
 from conftest import build_tiny_llama, greedy
 from nanoserve import DEFAULT_MODEL, LLM, SamplingParams
+from nanoserve.config import cdiv
 from nanoserve.spec_decode import propose_ngram
 from nanoserve.trace import format_step
 
@@ -41,7 +42,7 @@ def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> tuple[list, li
         steps.append(engine.step())
         engine.assert_invariants()
         # no block held for a rejected draft: just those of the tokens so far (the last one is written next step)
-        assert all(len(s.block_table) <= -(-s.num_tokens // engine.block_size) for s in engine.scheduler.running)
+        assert all(len(s.block_table) <= cdiv(s.num_tokens, engine.block_size) for s in engine.scheduler.running)
         outputs |= {o.request_id: o for o in steps[-1].outputs}
     assert engine.scheduler.block_manager.num_free_blocks == engine.model_runner.num_blocks - 1
     return [outputs[i] for i in ids], steps
@@ -121,6 +122,8 @@ def test_stop_string_inside_an_accepted_run():
         stop = text[-12:]
         if stop.strip() and text.find(stop) == len(text) - len(stop):  # first completed by token i
             break
+    else:
+        pytest.fail("no stop string is completed by a token inside an accepted run")
     params = SamplingParams(temperature=0, max_tokens=30, stop=[stop])
     with_spec = run(llm, [prompt], [params])[0][0]
     without = run(LLM(DEFAULT_MODEL, block_size=16), [prompt], [params])[0][0]
