@@ -72,8 +72,8 @@ class DecodeGraphs:
             getattr(static, name)[n:] = pad  # an earlier step with more requests left them here
         static.block_tables.zero_()
         static.block_tables[:n, :batch.block_tables.shape[1]] = batch.block_tables
-        hidden = replay()  # [size, hidden]: every row's final hidden state
-        return self.model.lm_head(hidden[batch.logits_indices]).float()
+        # the replay returns every row's final hidden state, [size, hidden]; lm_head takes the rows that sample
+        return self.model.lm_head(replay()[batch.logits_indices]).float()
 
 
 def capture_graphs(runner: ModelRunner, config: Config, max_model_len: int) -> DecodeGraphs | None:

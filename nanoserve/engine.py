@@ -28,7 +28,7 @@ from nanoserve.parallel import TensorParallelRunner
 from nanoserve.sampler import InvalidRequest, SamplingParams, require
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
-from nanoserve.structured_outputs import GrammarCompiler, wait_for_grammars
+from nanoserve.structured_outputs import GrammarCompiler, abort_failed_grammars, wait_for_grammars
 from nanoserve.tokenizer import load_tokenizer, read_eos_token_ids, tokenize
 
 
@@ -149,12 +149,13 @@ class LLMEngine:
     def step(self) -> StepResult:
         """One turn of continuous batching: schedule -> build_batch -> forward + sample -> update.
         Every unfinished request whose turn it is gets its next prefill chunk or decode token."""
+        abort_failed_grammars(self.scheduler.waiting, self.abort_request)  # structured_outputs.py
         aborted, self.aborted = self.aborted, []
-        if not self.scheduler.running:  # nothing else to run while grammars compile
-            wait_for_grammars(list(self.scheduler.waiting))
+        # nothing else to run while grammars compile: wait a little for them
+        compiling = not self.scheduler.running and wait_for_grammars(list(self.scheduler.waiting))
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            if self.has_unfinished_requests():
+            if self.has_unfinished_requests() and not compiling:
                 raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never expected
             return StepResult(None, [], [], aborted, [])
         decode_ids = [s.request_id for s, n in scheduled

@@ -18,10 +18,12 @@ finishes with "stop".
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -46,7 +48,9 @@ class StructuredOutputsParams:
     json_object: bool | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        # given: anything but None (json={} is the schema of any JSON), and json_object only when True
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
         require(len(given) == 1, "structured_outputs", given, "one of json, regex, choice, grammar, json_object")
         require(self.json is None or isinstance(self.json, dict) or is_json(self.json), "structured_outputs",
                 self.json, "a json schema as a dict or a str of JSON")
@@ -83,8 +87,8 @@ def parse_grammar(spec: StructuredOutputsParams) -> Any:
     try:
         if spec.json is not None:
             return xgr.Grammar.from_json_schema(spec.json, any_whitespace=False)
-        if spec.json_object:
-            return xgr.Grammar.builtin_json_grammar()
+        if spec.json_object:  # an object, as OpenAI's json_object promises (xgrammar's builtin JSON allows arrays)
+            return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False)
         if spec.regex is not None:
             return xgr.Grammar.from_regex(spec.regex)
         if spec.choice is not None:  # a JSON string literal is an EBNF string literal too
@@ -136,7 +140,7 @@ class GrammarCompiler:
         if self.tokenizer is None:
             raise InvalidRequest("structured_outputs", "structured_outputs needs the model's tokenizer")
         key = spec.key
-        if key not in self.cache:
+        if key not in self.cache or failed(self.cache[key]):  # a failed compile is tried again, not cached
             self.cache[key] = self.pool.submit(self.compile_now, parse_grammar(spec))
             while len(self.cache) > CACHE_SIZE:
                 self.cache.popitem(last=False)
@@ -153,12 +157,25 @@ class GrammarCompiler:
         return self.compiler.compile_grammar(grammar)
 
 
-def wait_for_grammars(waiting: list[Sequence]) -> None:
-    """When nothing runs and every waiting request's grammar is compiling, wait for the first one: the
-    step has nothing else to do (and a step that schedules nothing with requests waiting is a bug)."""
+def failed(compiled: Future) -> bool:
+    return compiled.done() and compiled.exception() is not None
+
+
+def abort_failed_grammars(waiting: Iterable[Sequence], abort: Callable[[str], object]) -> None:
+    """Abort, each alone and logged, the waiting requests whose grammar failed to compile: admitted, their
+    matcher would fail mid-step, and the step with every request in it."""
+    for seq in [seq for seq in waiting if seq.grammar is not None and failed(seq.grammar.compiled)]:
+        logging.getLogger(__name__).error(f"request {seq.request_id!r} is aborted: its grammar did not compile "
+                                          f"({seq.grammar.compiled.exception()!r})")
+        abort(seq.request_id)
+
+
+def wait_for_grammars(waiting: list[Sequence]) -> bool:
+    """When nothing runs and every waiting request's grammar is compiling, the step has nothing else to do: wait
+    until the first compile ends, but at most 0.1 s, so that a long one never keeps the engine's loop from new
+    requests and aborts. True where they all still compile (the step then schedules nothing)."""
     compiling = [seq.grammar.compiled for seq in waiting if seq.grammar is not None and not seq.grammar.ready]
-    if waiting and len(compiling) == len(waiting):
-        compiling[0].exception()  # waits; a failure is raised when the matcher is made
+    return bool(waiting) and len(compiling) == len(waiting) and not wait(compiling, 0.1, FIRST_COMPLETED).done
 
 
 def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:

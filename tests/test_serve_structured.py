@@ -38,6 +38,10 @@ def test_json_object_and_structured_outputs_on_completions(server):  # noqa: F81
                 structured_outputs={"regex": "[a-c]{3}"})
     text = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
     assert len(text) == 3 and set(text) <= set("abc")
+    body = dict(model=NAME, prompt="Emma", max_tokens=60, temperature=0, response_format={"type": "json_object"})
+    reply = post(server, "/v1/completions", body).json()["choices"][0]
+    assert reply["text"].startswith("{")  # an object, never Austen's prose
+    assert reply["finish_reason"] == "length" or isinstance(json.loads(reply["text"]), dict)
 
 
 def test_sampling_fields_reach_the_engine(server, model_path):  # noqa: F811

@@ -1,7 +1,9 @@
 """Structured outputs (structured_outputs.py): every output fits its grammar, on the bundled Austen model
 (it never saw JSON: every valid output is the mask's doing), beside unconstrained requests, through preemption."""
 import json
+import logging
 import re
+import threading
 from concurrent.futures import Future
 
 import jsonschema
@@ -53,7 +55,11 @@ def test_json_schema_given_as_text_and_json_object(austen):
     out = austen.generate(PROMPTS[:1], constrained(json=json.dumps(NUMBERS)))[0].outputs[0]
     jsonschema.validate(json.loads(out.text), NUMBERS)
     out = austen.generate(PROMPTS[:1], constrained(json_object=True, max_tokens=60, temperature=1.0, seed=3))[0]
+    assert out.outputs[0].text.startswith("{")  # Austen's prose never does: the mask is applied
     assert out.outputs[0].finish_reason == "length" or isinstance(json.loads(out.outputs[0].text), dict)
+    # {} is the schema every JSON value fits: given, though falsy (json_object=False is not given)
+    out = austen.generate(PROMPTS[:1], constrained(json={}, json_object=False, max_tokens=60))[0].outputs[0]
+    assert out.text[:1] in '{["-0123456789tfn' and (out.finish_reason == "length" or json.loads(out.text) is not None)
 
 
 def test_regex_and_choice(austen):
@@ -137,3 +143,45 @@ def test_a_request_whose_grammar_compiles_waits_without_holding_up_the_others():
     assert [seq.request_id for seq, _ in scheduler.schedule()] == ["second"]
     compiling.set_result(None)
     assert [seq.request_id for seq, _ in scheduler.schedule()] == ["second", "first"]
+
+
+def test_a_long_compile_leaves_the_engine_loop_free_and_a_failed_one_aborts_its_request_alone(monkeypatch, caplog):
+    """A compile still running after a step's short wait leaves that step empty (no error: the engine's loop
+    goes back to its new requests and aborts), and the request runs once it is done. A compile that fails
+    aborts its own request, logged; the request beside it finishes, and the next request with that spec
+    compiles again. Catches: step() blocking for a whole compile, raising 'no progress', a failed grammar
+    failing the step and every request in it, a failed compile kept in the cache."""
+    llm = LLM(DEFAULT_MODEL, block_size=16)
+    engine, grammars, release = llm.engine, llm.engine.grammars, threading.Event()
+    compile_now, outcomes = grammars.compile_now, iter(["wait", "fail", "compile"])
+
+    def planted(grammar):
+        outcome = next(outcomes)
+        if outcome == "wait":
+            release.wait(timeout=20)  # the test releases it (a step that waited for it all fails below)
+        if outcome == "fail":
+            raise RuntimeError("planted: the compile failed")
+        return compile_now(grammar)
+    monkeypatch.setattr(grammars, "compile_now", planted)
+    slow = engine.add_request(PROMPTS[0], constrained(regex="[a-z]{3}"))
+    for _ in range(3):
+        assert engine.step().batch is None and engine.has_unfinished_requests()
+    release.set()
+    assert [o.outputs[0].text for o in run_to_end(engine) if o.request_id == slow][0]
+    failing = engine.add_request(PROMPTS[1], constrained(regex="[0-9]{3}"))
+    beside = engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=5))
+    with caplog.at_level(logging.ERROR):
+        finished = {o.request_id: o.outputs[0] for o in run_to_end(engine)}
+    assert finished[failing].finish_reason == "abort" and len(finished[beside].token_ids) == 5
+    assert "RuntimeError('planted: the compile failed')" in caplog.text
+    again = engine.add_request(PROMPTS[1], constrained(regex="[0-9]{3}"))
+    assert re.fullmatch("[0-9]{3}", {o.request_id: o.outputs[0] for o in run_to_end(engine)}[again].text)
+    assert engine.scheduler.block_manager.num_free_blocks == engine.model_runner.num_blocks - 1
+
+
+def run_to_end(engine) -> list:
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step().outputs
+        engine.assert_invariants()
+    return outputs + engine.step().outputs  # aborted requests are reported by the step after their abort

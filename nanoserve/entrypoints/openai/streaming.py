@@ -101,7 +101,8 @@ async def generate_response(serving: Serving, request: Request, api: API, body: 
 
     async def start() -> Response:
         prompts = await serving.in_tokenizer_thread(prepare)
-        await serving.in_tokenizer_thread(partial(check_grammar, params, grammar_field(body)))
+        if params.structured_outputs is not None:  # no second trip through the tokenizer thread without one
+            await serving.in_tokenizer_thread(partial(check_grammar, params, grammar_field(body)))
         fitted = [serving.fit_to_context(params, max_tokens, len(p.token_ids), api.prompt_field) for p in prompts]
         await generation.submit([(p.token_ids, f) for p, f in zip(prompts, fitted)], arrival_time)
         formatter = api(body, prompts, params.n, serving.token_strings)
