@@ -140,7 +140,7 @@ class GrammarCompiler:
         if self.tokenizer is None:
             raise InvalidRequest("structured_outputs", "structured_outputs needs the model's tokenizer")
         key = spec.key
-        if key not in self.cache or failed(self.cache[key]):  # a failed compile is tried again, not cached
+        if key not in self.cache or self.cache[key].done() and self.cache[key].exception():  # failed: try again
             self.cache[key] = self.pool.submit(self.compile_now, parse_grammar(spec))
             while len(self.cache) > CACHE_SIZE:
                 self.cache.popitem(last=False)
@@ -157,17 +157,13 @@ class GrammarCompiler:
         return self.compiler.compile_grammar(grammar)
 
 
-def failed(compiled: Future) -> bool:
-    return compiled.done() and compiled.exception() is not None
-
-
 def abort_failed_grammars(waiting: Iterable[Sequence], abort: Callable[[str], object]) -> None:
     """Abort, each alone and logged, the waiting requests whose grammar failed to compile: admitted, their
     matcher would fail mid-step, and the step with every request in it."""
-    for seq in [seq for seq in waiting if seq.grammar is not None and failed(seq.grammar.compiled)]:
-        logging.getLogger(__name__).error(f"request {seq.request_id!r} is aborted: its grammar did not compile "
-                                          f"({seq.grammar.compiled.exception()!r})")
-        abort(seq.request_id)
+    for seq in [seq for seq in waiting if seq.grammar is not None and seq.grammar.ready]:
+        if error := seq.grammar.compiled.exception():
+            logging.getLogger(__name__).error(f"grammar of request {seq.request_id!r} failed: {error!r}")
+            abort(seq.request_id)
 
 
 def wait_for_grammars(waiting: list[Sequence]) -> bool:
