@@ -4,11 +4,13 @@ import json
 from typing import Literal
 
 import jsonschema
+import pytest
 from pydantic import BaseModel, Field
 from test_serve import ENGINE, NAME, model_path, post  # noqa: F401 (a fixture)
 from test_serve_logprobs import client, server  # noqa: F401 (fixtures: a server with an API key, its openai client)
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.entrypoints.openai.protocol import APIError, CompletionBody, parse
 
 
 class Visit(BaseModel):
@@ -52,3 +54,10 @@ def test_sampling_fields_reach_the_engine(server, model_path):  # noqa: F811
                                                   logit_bias={100: 5.0}, **fields))[0].outputs[0].text
     body = dict(model=NAME, prompt="Emma", max_tokens=16, temperature=0, logit_bias={"100": 5}, **fields)
     assert post(server, "/v1/completions", body).json()["choices"][0]["text"] == expected
+
+
+def test_an_invalid_spec_names_its_field_as_sent():
+    """pydantic reports a field by its alias ("json", not our json_): the 400 must still name it. Catches the
+    alias dropped from the path (it read "structured_outputs: Input should be a valid dictionary")."""
+    with pytest.raises(APIError, match=r"^structured_outputs\.json: Input should be a valid dictionary"):
+        parse(CompletionBody, {"prompt": "a", "structured_outputs": {"json": 3}})

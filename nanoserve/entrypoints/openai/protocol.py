@@ -182,7 +182,7 @@ class DetokenizeBody(Strict):
 
 BODIES = (CompletionBody, ChatBody, Message, ContentPart, StreamOptions, TokenizeBody, DetokenizeBody, ResponseFormat,
           JsonSchema, StructuredOutputsBody)
-FIELDS = {name for body in BODIES for name in body.model_fields}
+FIELDS = {field.alias or name for body in BODIES for name, field in body.model_fields.items()}  # as sent: "json"
 # Fields this server does not support -> the values that mean "not used", which it accepts. A body that
 # declares one of them (CompletionBody.echo) supports it.
 UNSUPPORTED = {

@@ -179,9 +179,7 @@ def grammar_field(body: SamplingBody) -> str:
 def structured_outputs(body: SamplingBody) -> StructuredOutputsParams | None:
     """vLLM's structured_outputs extra, else OpenAI's response_format (json_object or json_schema), else None."""
     if body.structured_outputs is not None:
-        spec = body.structured_outputs
-        return StructuredOutputsParams(json=spec.json_, regex=spec.regex, choice=spec.choice, grammar=spec.grammar,
-                                       json_object=spec.json_object)
+        return StructuredOutputsParams(**body.structured_outputs.model_dump(by_alias=True, exclude_none=True))
     response_format = body.response_format
     if response_format is None or response_format.type == "text":
         return None
