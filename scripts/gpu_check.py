@@ -321,7 +321,8 @@ def decode_with(path: str, device: str, name: str, prompts: dict[int, list[list[
               max_model_len=len(profiled[0]) + max_tokens, gpu_memory_utilization=0.3, enforce_eager=not compiled)
     if name != "eager" and llm.engine.model_runner.graphs is None:
         attach_graphs(llm, device)
-    name = f"{'compiled' if llm.engine.model_runner.compiled else 'eager'} + graphs" if name != "eager" else name
+    # what actually ran: a compile that fell back to eager says so in the table
+    label = f"{'compiled' if llm.engine.model_runner.compiled else 'eager'} + graphs" if name != "eager" else name
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     tokens, tok_s = {}, {}
     for b, batch in prompts.items():
@@ -330,7 +331,7 @@ def decode_with(path: str, device: str, name: str, prompts: dict[int, list[list[
         tokens[b] = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
         sync(device)
         tok_s[b] = b * max_tokens / (time.perf_counter() - start)
-    run = GraphRun(name, tokens, tok_s, count_launches(llm, device, profiled, max_tokens))
+    run = GraphRun(label, tokens, tok_s, count_launches(llm, device, profiled, max_tokens))
     del llm
     if device == "cuda":
         torch.cuda.empty_cache()
