@@ -35,8 +35,8 @@ class ModelRunner:
         hf_config = read_config(config.model)
         self.backend, self.block_size = select_attention(config.attention_backend, config.block_size, device,
                                                          self.dtype, get_head_dim(hf_config))
-        # compiled, the linears are laid out as for one row: no PackedLinear, which inductor cannot trace
-        rows = config.max_num_seqs if config.enforce_eager else 1
+        # compiled, the linears stay nn.Linear: inductor lays their weights out (compilation.py)
+        rows = config.max_num_seqs if config.enforce_eager else None
         self.model = load_model(config.model, self.dtype, device, self.backend, shard, rows)
         # not enforce_eager: compiled now, before any request, or eager after one log line (compilation.py)
         self.compiled = not config.enforce_eager and compile_model(self, config)

@@ -11,7 +11,8 @@ from test_engine import MAX_TOKENS, PROMPTS, SETUPS
 from torch._dynamo.utils import counters
 
 from conftest import greedy, reference
-from nanoserve import LLM, compilation
+from nanoserve import LLM, SamplingParams, compilation
+from nanoserve.layers import linear
 
 
 def run_without_recompiles(llm: LLM, prompts: list[list[int]], max_tokens: list[int],
@@ -76,3 +77,24 @@ def test_where_compiling_is_not_tried():
     assert "mps" in compilation.why_not_compile(torch.device("mps"), 1)
     assert "tensor parallelism" in compilation.why_not_compile(torch.device("cpu"), 2)
     assert compilation.why_not_compile(torch.device("cpu"), 1) is None
+
+
+def test_bfloat16_compiles_whatever_layout_this_cpu_would_pick(tiny_models, monkeypatch):
+    """bfloat16 compiles, on any CPU: the compiled model keeps nn.Linear (inductor lays the weights out),
+    so it never meets PackedLinear, which inductor cannot lower. The layout choice is forced to "packed",
+    as on a CPU with oneDNN's bf16 kernels, so an AVX2 machine takes that path too; a compiled step that
+    still packed its linears would fall back here. Its logits are eager bfloat16's within bf16 rounding."""
+    monkeypatch.setattr(linear, "choose_linear", lambda dtype, max_num_seqs: "packed")
+    compiled = LLM(tiny_models["gqa"], dtype="bfloat16", enforce_eager=False, block_size=4)
+    assert compiled.engine.model_runner.compiled
+    model = compiled.engine.model_runner.model
+    assert not any(isinstance(m, linear.PackedLinear) for m in model.modules())
+    monkeypatch.undo()  # eager gets this CPU's own layout
+    eager = LLM(tiny_models["gqa"], dtype="bfloat16", enforce_eager=True, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    first, second = (llm.generate(PROMPTS, params, use_tqdm=False) for llm in (compiled, eager))
+    for a, b in zip(first, second):
+        top_a, top_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        shared = top_a.keys() & top_b.keys()
+        assert len(shared) >= 3
+        assert max(abs(top_a[t].logprob - top_b[t].logprob) for t in shared) < 0.1
