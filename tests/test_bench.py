@@ -20,7 +20,7 @@ from nanoserve.benchmarks import throughput
 from nanoserve.benchmarks.http_client import stream_completion
 from nanoserve.benchmarks.llama_cpp import PeerRow, parse_batched_bench, peer_table, run_transformers_batch
 from nanoserve.benchmarks.online import OnlineRun, online_report
-from nanoserve.benchmarks.roofline import Machine, ModelShape, step_limit
+from nanoserve.benchmarks.roofline import Machine, ModelShape, describe_cpu, step_limit
 from nanoserve.benchmarks.workload import Step, make_workload
 from nanoserve.config import Config
 from nanoserve.entrypoints.openai.api_server import ServerThread, build_app
@@ -220,3 +220,13 @@ def test_peer_table_puts_each_engine_in_its_own_column(tiny_models):
     assert lines[3].startswith("| 2 | n/a | n/a | ") and lines[3].endswith(" | n/a |")  # transformers only
     assert lines[4] == "| 64 | n/a | 200.0 | n/a | n/a | 500 | n/a | n/a |"
     assert rows[-1].ms_per_token > 0 and rows[-1].total_tok_s > 0
+
+
+def test_the_cpu_line_names_the_openmp_settings_every_engine_shares(monkeypatch):
+    """llama.cpp and torch both read OMP_* from the environment: a table must say which were set. Catches a
+    line that hides a wait policy, which once halved llama.cpp's speed in this benchmark."""
+    for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
+        monkeypatch.delenv(name, raising=False)
+    assert "OpenMP as its defaults" in describe_cpu()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert "OpenMP OMP_WAIT_POLICY=PASSIVE" in describe_cpu()

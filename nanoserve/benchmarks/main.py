@@ -119,9 +119,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.bench")
         if not args.gguf:
             raise SystemExit("--llama-cpp needs --gguf, the same model in GGUF")
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (every engine), {args.dtype}; "
-              f"{args.prompt_len} prompt + {args.gen_len} generated tokens per request")
+              f"{args.prompt_len} prompt + {args.gen_len} generated tokens per request; nanoserve "
+              f"{'compiled' if args.enforce_eager is False else 'eager'}")
         print(compare_llama_cpp(args.llama_cpp, args.gguf, path, [int(b) for b in args.batch_sizes.split(",")],
-                                args.prompt_len, args.gen_len, args.dtype, vocab, args.seed, not args.no_transformers))
+                                args.prompt_len, args.gen_len, args.dtype, vocab, args.seed, not args.no_transformers,
+                                args.enforce_eager is not False))
         return
     sizes = WORKLOADS.get(args.workload, dict(num_requests=48, input_len=span(args.input_len),
                                                output_len=span(args.output_len)))

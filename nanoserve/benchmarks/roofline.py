@@ -95,8 +95,12 @@ def describe_cpu() -> str:
            "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "amx": torch.cpu._is_amx_tile_supported()}
     held = [f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
             if k in os.environ]
+    # the thread settings every engine of the run shares: its OpenMP reads these from the environment
+    omp = [f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+           if k in os.environ]
     bf16 = has_onednn(torch.bfloat16)
     return (f"CPU: {model}; ISA {' '.join(k if v else f'no-{k}' for k, v in isa.items())}; torch capability "
             f"{torch.backends.cpu.get_cpu_capability()}; oneDNN bf16 {'yes' if bf16 else 'no'}; "
-            f"{torch.get_num_threads()} threads" + (f"; held back by {' '.join(held)}" if held else ""))
+            f"{torch.get_num_threads()} threads, OpenMP {' '.join(omp) or 'as its defaults'}"
+            + (f"; held back by {' '.join(held)}" if held else ""))
 
