@@ -11,7 +11,8 @@ Invariants:
   N >= 2 tokens and one of N = 1 (torch specializes 0 and 1, so one row gets its own graph); shapes
   are dynamic in N, so no later step recompiles (tests/test_compilation.py counts).
 - The layers share their graphs: the weights are the graphs' inputs, so 30 layers compile as one.
-- The linears stay `nn.Linear` (inductor cannot trace layers/linear.py's `PackedLinear`).
+- The linears are laid out as eager's (layers/linear.py): `PackedLinear` calls its own op, which the
+  graphs call as it is, so compiling keeps oneDNN's packed weights and fuses the work around them.
 - Anything that goes wrong while compiling or running the warm-up is one log line and an eager model;
   `LLM()` never fails because of compilation.
 
@@ -27,7 +28,6 @@ import torch
 
 from nanoserve.batch import build_batch
 from nanoserve.config import Config
-from nanoserve.layers.linear import pack_linears
 from nanoserve.sampler import SamplingParams
 from nanoserve.sequence import Sequence
 
@@ -44,8 +44,7 @@ def why_not_compile(device: torch.device, tensor_parallel_size: int) -> str | No
 
 def compile_model(runner: ModelRunner, config: Config) -> bool:
     """Compile the runner's decoder layers and run the warm-up that compiles them. True where the model
-    now runs compiled; False, after one log line naming why, where it runs eager, its linears laid out
-    for eager again (`pack_linears`)."""
+    now runs compiled; False, after one log line naming why, where it runs eager."""
     why = why_not_compile(runner.device, config.tensor_parallel_size)
     backend, layers = runner.model.model.attention, runner.model.model.layers
     if why is None:
@@ -65,7 +64,6 @@ def compile_model(runner: ModelRunner, config: Config) -> bool:
             for layer in layers:
                 layer._compiled_call_impl = None  # nn.Module.compile's undo
     logging.getLogger(__name__).warning(f"enforce_eager=False, but the model runs eager: {why}")
-    pack_linears(runner.model, config.max_num_seqs)
     return False
 
 

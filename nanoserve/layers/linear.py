@@ -14,6 +14,19 @@ from torch import nn
 from nanoserve.device import has_onednn
 
 
+@torch.library.custom_op("nanoserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """x @ W.T + b with W in oneDNN's blocked layout. An op of our own, so that torch.compile calls it
+    as it is (inductor cannot lower oneDNN's op on an opaque packed weight) and fuses what is around it."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)  # the shape the compiler traces: [..., out]
+
+
 class PackedLinear(nn.Module):
     """nn.Linear, its weight laid out once in oneDNN's own blocked format (its bias, if any, kept as it
     is: oneDNN adds it to the product). The packed weight is opaque (only this reads it) and a copy: a
@@ -25,9 +38,10 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()))
         self.bias = linear.bias  # [out] or None
+        self.out_features = linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return packed_linear(x, self.packed_weight, self.bias, self.out_features)
 
 
 def choose_linear(dtype: torch.dtype, max_num_seqs: int) -> str:

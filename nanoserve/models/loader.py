@@ -36,11 +36,10 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_backend: str,
-               shard: Shard = Shard(), max_num_seqs: int | None = 256) -> nn.Module:
+               shard: Shard = Shard(), max_num_seqs: int = 256) -> nn.Module:
     """Build the model of a Hugging Face folder (config.json + *.safetensors) on `device` in `dtype`;
     with tensor parallelism, only `shard`'s part of it: every tensor is sliced as it is read. Its
-    linears suit decode steps of up to `max_num_seqs` rows (layers/linear.py); None keeps them the
-    checkpoint's nn.Linear, for the compiled step (compilation.py)."""
+    linears suit decode steps of up to `max_num_seqs` rows (layers/linear.py)."""
     config = read_config(path)
     with torch.device("meta"):  # shapes only: every parameter is replaced by a checkpoint tensor
         model = model_class(config)(config, attention_backend, shard)
@@ -57,8 +56,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_ba
         setattr(model.get_submodule(module_name), leaf, weight)
     if tied:  # lm_head.weight is the embedding matrix, not a copy
         model.lm_head.weight = model.model.embed_tokens.weight
-    model = model.to(device).eval()  # .to moves the RoPE cache; parameters are already there
-    return model if max_num_seqs is None else pack_linears(model, max_num_seqs)
+    return pack_linears(model.to(device).eval(), max_num_seqs)  # .to moves the RoPE cache; parameters are already there
 
 
 def checkpoint_parts(param_name: str, table: dict[str, tuple[str, int]]) -> list[tuple[str, int | None]]:
