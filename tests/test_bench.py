@@ -156,6 +156,13 @@ def test_profile_decode_runs(tiny_models, capsys):
     main(["--model", tiny_models["gqa"], "--profile-decode", "3"])
     out = capsys.readouterr().out
     assert "| float32 | 3 |" in out and "| host, ms (share of the step) | schedule |" in out
+    # the Python/ops split: a step of this 2-layer model calls tens of ops (each layer's norms, matmuls,
+    # rotary, attention...), and the two shares are of the same step
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| ops per step"))
+    ops, in_ops, outside = lines[header + 2].split("|")[1:4]
+    assert int(ops) > 2 * 10
+    assert abs(int(in_ops.strip(" %")) + int(outside.strip(" %")) - 100) <= 1
 
 
 def test_python_m_nanoserve_bench_still_runs():

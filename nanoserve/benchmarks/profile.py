@@ -18,7 +18,8 @@ def profile_decode(path: str, num_requests: int, vocab_size: int, config: dict) 
     tokens each). Attention (writing K/V, gathering blocks, SDPA) is timed around every layer's call of
     the attention backend over 5 steps (the median step is reported); op shares come from
     torch.profiler on one more. The host's share (schedule, build_batch, sample, update: everything but
-    the forward) is timed around each over the same steps."""
+    the forward) is timed around each over the same steps; the ops that Python called in one step are
+    counted, and the step's time outside them is Python's and the dispatcher's."""
     # room for all: each request reaches at most 232 tokens, 15 blocks of 16; the cache must also
     # hold one max_model_len request, so that is 256 here, not the model's (8192 for SmolLM2)
     config = config | dict(num_kvcache_blocks=num_requests * 18 + 1, max_model_len=256)
@@ -53,7 +54,13 @@ def profile_decode(path: str, num_requests: int, vocab_size: int, config: dict) 
         steps.append((time.perf_counter() - start, sum(attention), dict(host)))
     step, attend, host_times = sorted(steps, key=lambda s: s[0])[2]
     with torch.profiler.profile() as prof:
+        start = time.perf_counter()
         engine.step()
+        profiled = time.perf_counter() - start
+    # the ops the step's Python called (not the ops inside them): their count, and their time against the
+    # step's, the rest being Python (the model's, the engine's) and the dispatcher between them
+    top = [e for e in prof.events() if e.cpu_parent is None]
+    in_ops = sum(e.cpu_time_total for e in top) / 1e6
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
     share = lambda *names: 100 * sum(e.self_cpu_time_total for e in events if e.key in names) / total  # noqa: E731
@@ -63,6 +70,9 @@ def profile_decode(path: str, num_requests: int, vocab_size: int, config: dict) 
             f"{share('aten::mm', 'aten::addmm', 'mkldnn::_linear_pointwise'):.0f}% | "
             f"{share('aten::_scaled_dot_product_flash_attention_for_cpu'):.0f}% | "
             f"{share('aten::index_select'):.0f}% |\n\n"
+            "| ops per step (called from Python) | time in them | Python and dispatch between them |\n"
+            "|---|---|---|\n"
+            f"| {len(top)} | {100 * in_ops / profiled:.0f}% | {100 * (1 - in_ops / profiled):.0f}% |\n\n"
             "| host, ms (share of the step) | schedule | build_batch | sample | update |\n"
             "|---|---|---|---|---|\n| " + f"{sum(host_times.values()) * 1000:.2f} "
             f"({100 * sum(host_times.values()) / step:.1f}%) | " +
