@@ -37,7 +37,7 @@ class ModelRunner:
                                                          self.dtype, get_head_dim(hf_config))
         # compiled, the linears are laid out as for one row: no PackedLinear, which inductor cannot trace
         rows = config.max_num_seqs if config.enforce_eager else 1
-        self.model = load_model(config.model, self.dtype, device, self.backend, shard, rows)
+        self.model = load_model(config.model, self.dtype, device, self.backend, shard, rows, config.quantization)
         # not enforce_eager: compiled now, before any request, or eager after one log line (compilation.py)
         self.compiled = not config.enforce_eager and compile_model(self, config)
         if device.type == "cuda":  # the largest step, once: its peak is what the KV cache leaves free
