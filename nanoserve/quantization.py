@@ -21,6 +21,8 @@ Invariants:
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -52,6 +54,11 @@ class Int8Linear(nn.Module):
 def quantize_linears(model: nn.Module, quantization: str) -> nn.Module:
     """Replace every nn.Linear of a loaded model by its `quantization` ("int8": Int8Linear), or raise a
     ValueError where torch has no int8 kernel for this device and dtype (Config checks the name)."""
+    weight = model.lm_head.weight
+    if weight.device.type == "cpu" and weight.dtype == torch.float32:
+        logging.getLogger(__name__).warning(
+            "quantization='int8' with float32 activations: torch's CPU int8 kernel is many times slower with them "
+            "than with bfloat16 ones; dtype='bfloat16' is its fast pairing (docs/quantization.md)")
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
             parent, _, leaf = name.rpartition(".")

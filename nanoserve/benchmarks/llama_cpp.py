@@ -51,12 +51,14 @@ def run_llama_cpp(binary: str, gguf: str, batch_sizes: list[int], prompt_len: in
 
 
 def run_nanoserve_batch(path: str, batch_size: int, prompt_len: int, gen_len: int, dtype: str,
-                        vocab_size: int, seed: int) -> PeerRow:
-    """The same shape on nanoserve: B requests of random prompt ids, greedy, EOS ignored, all at once."""
+                        vocab_size: int, seed: int, quantization: str | None = None) -> PeerRow:
+    """The same shape on nanoserve: B requests of random prompt ids, greedy, EOS ignored, all at once;
+    with `quantization` ("int8"), its weights so (set beside a Q8_0 GGUF)."""
     workload = make_workload(batch_size, (prompt_len, prompt_len), (gen_len, gen_len), vocab_size, seed)
     max_model_len = whole_blocks(prompt_len + gen_len, 16)
     result = run_nanoserve(path, workload, "continuous", block_size=16, max_num_seqs=batch_size, dtype=dtype,
-                           max_model_len=max_model_len, num_kvcache_blocks=batch_size * max_model_len // 16 + 1)
+                           max_model_len=max_model_len, num_kvcache_blocks=batch_size * max_model_len // 16 + 1,
+                           quantization=quantization)
     decode = [s.seconds for s in result.steps if s.phase == "decode"]  # every request past its prompt
     return PeerRow("nanoserve", batch_size, 1000 * statistics.mean(decode), result.total_tok_s)
 
@@ -88,9 +90,11 @@ def peer_table(rows: list[PeerRow]) -> str:
 
 
 def compare_llama_cpp(binary: str, gguf: str, path: str, batch_sizes: list[int], prompt_len: int, gen_len: int,
-                      dtype: str, vocab_size: int, seed: int, with_transformers: bool = True) -> str:
+                      dtype: str, vocab_size: int, seed: int, with_transformers: bool = True,
+                      quantization: str | None = None) -> str:
     rows = run_llama_cpp(binary, gguf, batch_sizes, prompt_len, gen_len, torch.get_num_threads())
-    rows += [run_nanoserve_batch(path, b, prompt_len, gen_len, dtype, vocab_size, seed) for b in batch_sizes]
+    rows += [run_nanoserve_batch(path, b, prompt_len, gen_len, dtype, vocab_size, seed, quantization)
+             for b in batch_sizes]
     if with_transformers:
         rows += [run_transformers_batch(path, b, prompt_len, gen_len, dtype, vocab_size, seed) for b in batch_sizes]
     return peer_table(rows)
