@@ -12,7 +12,8 @@ is computed once, where it is needed, and passed on as an argument or held by it
   block_size also -> the engine, the scheduler;
 - the model class (`models.loader.MODELS`, by config.json's `architectures`) -> the model runner;
 - on a CPU, each linear layer's weight layout (`layers.linear.choose_linear`, from the dtype, what
-  oneDNN does on this CPU and max_num_seqs; applied at load by `pack_linears`) -> the model;
+  oneDNN does on this CPU and max_num_seqs; applied at load by `pack_linears`), or int8 weights with
+  `quantization` (quantization.py) -> the model;
 - num_blocks (`ModelRunner.size_kv_cache` on rank 0 alone, from free memory, unless
   num_kvcache_blocks is given; broadcast to the other ranks) -> the KV cache and the block manager;
 - the tokenizer and the EOS token ids (tokenizer.py) -> the engine and the scheduler.
@@ -49,6 +50,7 @@ class Config:
     # slower at 48, and took 30-90 s to start (docs/performance.md, "The compiled step")
     enforce_eager: bool = True
     speculative_config: dict | None = None    # vLLM's, method "ngram" only (spec_decode.py); None: off
+    quantization: str | None = None           # "int8": weights int8, one scale per output channel (quantization.py)
 
     def __post_init__(self) -> None:
         require(isinstance(self.model, str), "model", self.model, "a path to a model folder (str)")
@@ -64,6 +66,8 @@ class Config:
             require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
         require(self.device is None or isinstance(self.device, str), "device", self.device,
                 "a str such as 'cpu', 'cuda', 'cuda:1' or 'mps'")
+        require(self.quantization in (None, "int8"), "quantization", self.quantization,
+                "None or 'int8' (weight-only, a scale per output channel)")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # raises a ValueError naming the key at fault
         require(is_finite_real(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,

@@ -35,7 +35,8 @@ class ModelRunner:
         hf_config = read_config(config.model)
         self.backend, self.block_size = select_attention(config.attention_backend, config.block_size, device,
                                                          self.dtype, get_head_dim(hf_config))
-        self.model = load_model(config.model, self.dtype, device, self.backend, shard, config.max_num_seqs)
+        self.model = load_model(config.model, self.dtype, device, self.backend, shard, config.max_num_seqs,
+                                config.quantization)
         # not enforce_eager: compiled now, before any request, or eager after one log line (compilation.py)
         self.compiled = not config.enforce_eager and compile_model(self, config)
         if device.type == "cuda":  # the largest step, once: its peak is what the KV cache leaves free

@@ -15,8 +15,8 @@ import nanoserve
 from conftest import build_tiny_llama
 from nanoserve import LLMEngine
 from nanoserve.bench import main
+from nanoserve.benchmarks import llama_cpp, throughput
 from nanoserve.benchmarks import main as cli
-from nanoserve.benchmarks import throughput
 from nanoserve.benchmarks.http_client import stream_completion
 from nanoserve.benchmarks.llama_cpp import PeerRow, parse_batched_bench, peer_table, run_transformers_batch
 from nanoserve.benchmarks.online import OnlineRun, online_report
@@ -211,6 +211,21 @@ def test_llama_cpp_output_is_parsed_per_batch_size(capsys):
         assert "not found" in str(error)
     else:
         raise AssertionError("a missing binary must stop the run")
+
+
+# Catches: --quantization not reaching nanoserve beside a Q8_0 GGUF (its row silently float); llama.cpp is canned.
+def test_llama_cpp_comparison_passes_quantization(tiny_models, monkeypatch, capsys):
+    configs = []
+
+    def spy(path, workload, scheduling, **config):
+        configs.append(config)
+        return throughput.run_nanoserve(path, workload, scheduling, **config)
+    monkeypatch.setattr(llama_cpp, "run_llama_cpp", lambda *args: [PeerRow("llama.cpp", 1, 20.0, 100.0)])
+    monkeypatch.setattr(llama_cpp, "run_nanoserve", spy)
+    main(["--model", tiny_models["gqa"], "--llama-cpp", "llama-batched-bench", "--gguf", "/models/q8_0.gguf",
+          "--batch-sizes", "1", "--prompt-len", "4", "--gen-len", "3", "--quantization", "int8", "--no-transformers"])
+    assert [c["quantization"] for c in configs] == ["int8"]
+    assert "llama.cpp runs q8_0.gguf, nanoserve quantization=int8" in capsys.readouterr().out
 
 
 # Catches: a batch size llama.cpp skipped (its sequences did not fit its context) shifting the other

@@ -51,13 +51,15 @@ def run_llama_cpp(binary: str, gguf: str, batch_sizes: list[int], prompt_len: in
 
 
 def run_nanoserve_batch(path: str, batch_size: int, prompt_len: int, gen_len: int, dtype: str,
-                        vocab_size: int, seed: int, enforce_eager: bool = True) -> PeerRow:
-    """The same shape on nanoserve: B requests of random prompt ids, greedy, EOS ignored, all at once."""
+                        vocab_size: int, seed: int, enforce_eager: bool = True,
+                        quantization: str | None = None) -> PeerRow:
+    """The same shape on nanoserve: B requests of random prompt ids, greedy, EOS ignored, all at once;
+    with `quantization` ("int8"), its weights so (set beside a Q8_0 GGUF)."""
     workload = make_workload(batch_size, (prompt_len, prompt_len), (gen_len, gen_len), vocab_size, seed)
     max_model_len = whole_blocks(prompt_len + gen_len, 16)
     result = run_nanoserve(path, workload, "continuous", block_size=16, max_num_seqs=batch_size, dtype=dtype,
                            max_model_len=max_model_len, num_kvcache_blocks=batch_size * max_model_len // 16 + 1,
-                           enforce_eager=enforce_eager)
+                           enforce_eager=enforce_eager, quantization=quantization)
     decode = [s.seconds for s in result.steps if s.phase == "decode"]  # every request past its prompt
     return PeerRow("nanoserve", batch_size, 1000 * statistics.mean(decode), result.total_tok_s)
 
@@ -90,11 +92,11 @@ def peer_table(rows: list[PeerRow]) -> str:
 
 def compare_llama_cpp(binary: str, gguf: str, path: str, batch_sizes: list[int], prompt_len: int, gen_len: int,
                       dtype: str, vocab_size: int, seed: int, with_transformers: bool = True,
-                      enforce_eager: bool = True) -> str:
+                      enforce_eager: bool = True, quantization: str | None = None) -> str:
     """llama.cpp, nanoserve and transformers at each batch size. llama.cpp runs in this process's environment
     as the user set it (its OpenMP reads OMP_* as torch's does), with torch's thread count."""
     rows = run_llama_cpp(binary, gguf, batch_sizes, prompt_len, gen_len, torch.get_num_threads())
-    rows += [run_nanoserve_batch(path, b, prompt_len, gen_len, dtype, vocab_size, seed, enforce_eager)
+    rows += [run_nanoserve_batch(path, b, prompt_len, gen_len, dtype, vocab_size, seed, enforce_eager, quantization)
              for b in batch_sizes]
     if with_transformers:
         rows += [run_transformers_batch(path, b, prompt_len, gen_len, dtype, vocab_size, seed) for b in batch_sizes]

@@ -11,6 +11,7 @@ point: every engine runs on the same machine in the same run.
     python -m nanoserve.bench --profile-decode 48        # where one decode step of 48 requests spends its time
     python -m nanoserve.bench --server http://127.0.0.1:8000 --rates 2,4,8   # the same load over HTTP + SSE
     python -m nanoserve.bench --llama-cpp llama-batched-bench --gguf model.gguf --model HF_FOLDER  # vs llama.cpp
+    python -m nanoserve.bench --llama-cpp ... --gguf model-q8_0.gguf --quantization int8 --dtype bfloat16  # vs Q8_0
     python -m nanoserve.bench --busy-neighbour      # the same, beside one busy Python process at nice 10
     python -m nanoserve.bench --no-enforce-eager    # nanoserve compiled (torch.compile), not op by op
 """
@@ -59,6 +60,9 @@ def make_parser(prog: str = "python -m nanoserve.bench") -> argparse.ArgumentPar
     p.add_argument("--kv-cache-tokens", type=int, default=8192,
                    help="nanoserve's KV cache size for both schedulers: the memory a static batch must reserve")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="every engine's dtype")
+    p.add_argument("--quantization", choices=("int8",),
+                   help="nanoserve's weights int8, a scale per output channel (docs/quantization.md); with "
+                        "--llama-cpp, set it beside a Q8_0 --gguf")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="nanoserve op by op (the default), or compiled with --no-enforce-eager")
@@ -119,11 +123,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.bench")
         if not args.gguf:
             raise SystemExit("--llama-cpp needs --gguf, the same model in GGUF")
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (every engine), {args.dtype}; "
-              f"{args.prompt_len} prompt + {args.gen_len} generated tokens per request; nanoserve "
+              f"{args.prompt_len} prompt + {args.gen_len} generated tokens per request; llama.cpp runs "
+              f"{os.path.basename(args.gguf)}, nanoserve quantization={args.quantization}, "
               f"{'compiled' if args.enforce_eager is False else 'eager'}")
         print(compare_llama_cpp(args.llama_cpp, args.gguf, path, [int(b) for b in args.batch_sizes.split(",")],
                                 args.prompt_len, args.gen_len, args.dtype, vocab, args.seed, not args.no_transformers,
-                                args.enforce_eager is not False))
+                                args.enforce_eager is not False, args.quantization))
         return
     sizes = WORKLOADS.get(args.workload, dict(num_requests=48, input_len=span(args.input_len),
                                                output_len=span(args.output_len)))
@@ -137,6 +142,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.bench")
         config["enforce_eager"] = args.enforce_eager
     if args.speculative_config:
         config["speculative_config"] = args.speculative_config
+    if args.quantization:
+        config["quantization"] = args.quantization
     print(f"torch {torch.__version__} on {config['device']}, {torch.get_num_threads()} threads, {args.dtype}; "
           f"{len(workload)} requests, "
           f"{sum(len(r.prompt) for r in workload)} prompt + {sum(r.output_len for r in workload)} output tokens")

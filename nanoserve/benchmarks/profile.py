@@ -67,7 +67,7 @@ def profile_decode(path: str, num_requests: int, vocab_size: int, config: dict) 
     return ("| dtype | requests | step (ms) | attention | matmuls | SDPA | index_select (KV gather) |\n"
             "|---|---|---|---|---|---|---|\n"
             f"| {config['dtype']} | {num_requests} | {1000 * step:.1f} | {100 * attend / step:.0f}% | "
-            f"{share('aten::mm', 'aten::addmm', 'mkldnn::_linear_pointwise'):.0f}% | "
+            f"{share('aten::mm', 'aten::addmm', 'mkldnn::_linear_pointwise', 'aten::_weight_int8pack_mm'):.0f}% | "
             f"{share('aten::_scaled_dot_product_flash_attention_for_cpu'):.0f}% | "
             f"{share('aten::index_select'):.0f}% |\n\n"
             "| ops per step (called from Python) | time in them | Python and dispatch between them |\n"

@@ -9,7 +9,8 @@ Invariants:
 - Checkpoint names map onto the model's parameters by one table, the model's `checkpoint_modules`
   (llama.py's `CHECKPOINT_MODULES`): which checkpoint tensors stack into a fused parameter, and the
   dim tensor parallelism splits each on. With tensor parallelism a rank reads only its slices, from disk.
-- After loading, each linear layer gets the implementation this device runs fastest (layers/linear.py).
+- After loading, each linear layer gets the implementation this device runs fastest (layers/linear.py),
+  or, with `quantization`, an int8 weight (quantization.py).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from nanoserve.distributed import Shard
 from nanoserve.layers.linear import pack_linears
 from nanoserve.models.llama import LlamaForCausalLM
+from nanoserve.quantization import quantize_linears
 
 # The class that runs each architecture a config.json may name (its `architectures`), as in vLLM's registry.
 MODELS: dict[str, Callable[..., nn.Module]] = {
@@ -36,10 +38,11 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_backend: str,
-               shard: Shard = Shard(), max_num_seqs: int = 256) -> nn.Module:
+               shard: Shard = Shard(), max_num_seqs: int = 256, quantization: str | None = None) -> nn.Module:
     """Build the model of a Hugging Face folder (config.json + *.safetensors) on `device` in `dtype`;
     with tensor parallelism, only `shard`'s part of it: every tensor is sliced as it is read. Its
-    linears suit decode steps of up to `max_num_seqs` rows (layers/linear.py)."""
+    linears suit decode steps of up to `max_num_seqs` rows (layers/linear.py), or are `quantization`'s
+    (quantization.py), of this shard's weights."""
     config = read_config(path)
     with torch.device("meta"):  # shapes only: every parameter is replaced by a checkpoint tensor
         model = model_class(config)(config, attention_backend, shard)
@@ -56,7 +59,10 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_ba
         setattr(model.get_submodule(module_name), leaf, weight)
     if tied:  # lm_head.weight is the embedding matrix, not a copy
         model.lm_head.weight = model.model.embed_tokens.weight
-    return pack_linears(model.to(device).eval(), max_num_seqs)  # .to moves the RoPE cache; parameters are already there
+    model = model.to(device).eval()  # .to moves the RoPE cache; parameters are already there
+    if quantization is not None:
+        return quantize_linears(model, quantization)
+    return pack_linears(model, max_num_seqs)
 
 
 def checkpoint_parts(param_name: str, table: dict[str, tuple[str, int]]) -> list[tuple[str, int | None]]:

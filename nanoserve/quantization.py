@@ -1,0 +1,80 @@
+"""Int8 weight-only quantization (`LLM(model, quantization="int8")`): every linear layer's weight is stored
+as int8 with one scale per output channel; the activations, the embedding and the KV cache stay in `dtype`.
+
+Why: a decode step of a few requests reads every weight once and does little arithmetic with each, so
+its time is about its bytes (docs/quantization.md). An int8 weight is half of bfloat16's bytes and a
+quarter of float32's.
+
+The rule, for a weight W [out, in] (symmetric, per output channel o):
+    scale[o] = max_i |W[o, i]| / 127          rounded to `dtype`; a row of zeros gets scale 1
+    q[o, i]  = round(W[o, i] / scale[o])      an int8 in [-127, 127]
+    x @ (q * scale[:, None]).T == (x @ q.T) * scale
+The right-hand side is what torch's `_weight_int8pack_mm` computes, converting q to floats as it reads
+it, so the dequantized matrix is never written out.
+
+Invariants:
+- Only linears are quantized: those of the decoder layers and lm_head. A tied lm_head gets its own int8
+  copy; the embedding it shares the matrix with keeps its rows in `dtype`.
+- Quantizing follows loading, so with tensor parallelism each rank quantizes its own shard: a row-parallel
+  shard (o_proj, down_proj: split on in) has scales of its own slice's rows.
+- `Int8Linear.dequantize()` is the weight its products equal; the tests run transformers on those weights.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+
+class Int8Linear(nn.Module):
+    """nn.Linear with an int8 weight [out, in] and a scale [out] in the activation dtype; a bias, if any,
+    stays as loaded and is added to the product."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach()  # [out, in], in the activation dtype
+        scale = (weight.abs().amax(dim=1).float() / 127).to(weight.dtype)  # [out]
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        # scale is rounded to dtype first, so q is the nearest int8 to W / the scale the kernel uses
+        q = torch.round(weight.float() / scale.float()[:, None]).clamp(-127, 127)
+        self.register_buffer("weight_int8", q.to(torch.int8))
+        self.register_buffer("scale", scale)
+        self.bias = linear.bias  # [out] or None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight_int8, self.scale)  # [N, out]
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] this layer multiplies by: q * scale, exact in float32."""
+        return self.weight_int8.float() * self.scale.float()[:, None]
+
+
+def quantize_linears(model: nn.Module, quantization: str) -> nn.Module:
+    """Replace every nn.Linear of a loaded model by its `quantization` ("int8": Int8Linear), or raise a
+    ValueError where torch has no int8 kernel for this device and dtype (Config checks the name)."""
+    weight = model.lm_head.weight
+    if weight.device.type == "cpu" and weight.dtype == torch.float32:
+        logging.getLogger(__name__).warning(
+            "quantization='int8' with float32 activations: torch's CPU int8 kernel is many times slower with them "
+            "than with bfloat16 ones; dtype='bfloat16' is its fast pairing (docs/quantization.md)")
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear):
+            parent, _, leaf = name.rpartition(".")
+            quantized = Int8Linear(module)
+            check_kernel(quantized, module.weight)
+            setattr(model.get_submodule(parent), leaf, quantized)
+    return model
+
+
+def check_kernel(layer: Int8Linear, weight: torch.Tensor) -> None:
+    """Run `layer` on one row of zeros: a device, dtype or shape the kernel refuses is a ValueError now,
+    at load, not in the first step."""
+    try:
+        layer(torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device))
+    except (RuntimeError, NotImplementedError) as error:
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(f"quantization='int8' is not supported here: torch {torch.__version__} has no int8 kernel "
+                         f"(aten._weight_int8pack_mm) for a {list(weight.shape)} {weight.dtype} weight on "
+                         f"{weight.device.type}: {first_line}") from error

@@ -1,0 +1,129 @@
+"""Int8 weight-only quantization (nanoserve/quantization.py): the layer's products equal a matmul by its
+dequantized weight, the engine is token-exact with transformers running weights dequantized by the
+rule written out here (`quantize_by_hand`), alone, compiled and under tensor parallelism, and bad
+values are named errors."""
+import pytest
+import torch
+from test_engine import MAX_TOKENS, PROMPTS
+from test_llama import PROMPT, make_batch, reference_logits
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+import conftest
+from conftest import greedy
+from nanoserve import LLM
+from nanoserve.config import Config
+from nanoserve.models.loader import load_model
+from nanoserve.quantization import Int8Linear, check_kernel
+
+
+def quantize_by_hand(weight: torch.Tensor) -> torch.Tensor:
+    """The rule, independently of the code under test: a scale per row (output channel) = its largest
+    |w| / 127, each weight rounded to the nearest multiple of it; returned dequantized, in float32."""
+    scale = weight.float().abs().amax(dim=1, keepdim=True) / 127  # [out, 1]
+    return torch.round(weight.float() / scale) * scale
+
+
+def save_dequantized(path: str, out: str, row_parallel_parts: int = 1) -> str:
+    """transformers' model of `path` with every linear's weight (lm_head's too, untied from the embedding)
+    dequantized by hand, saved to `out`. With tensor parallelism over `row_parallel_parts` ranks, o_proj
+    and down_proj are split on their input dim, and each rank's columns get scales of their own."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.config.tie_word_embeddings = False
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                parts = row_parallel_parts if name.endswith(("o_proj", "down_proj")) else 1
+                weight = torch.cat([quantize_by_hand(part) for part in module.weight.chunk(parts, dim=1)], dim=1)
+                module.weight = nn.Parameter(weight)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_equals_dequantize_then_matmul(dtype, bias):
+    """Catches a scale per tensor or per input channel (a row whose largest |q| is not 127), rounding
+    toward zero (errors up to a whole scale, not half), a scale kept in float32 where the kernel takes
+    dtype, a lost bias, and a zero row's scale of 0 (NaN from 0 / 0)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=bias).to(dtype)
+    with torch.no_grad():
+        linear.weight[5] = 0
+        linear.weight[7] *= 100  # one row much larger: a scale shared across rows would crush the others
+    layer = Int8Linear(linear)
+    weight = linear.weight.detach().float()
+    assert layer.weight_int8.dtype == torch.int8 and layer.scale.dtype == dtype
+    q = layer.weight_int8.int()
+    assert (q.abs().amax(dim=1)[weight.abs().amax(dim=1) > 0] == 127).all() and (q[5] == 0).all()
+    # rounding to the nearest step: no weight further than half a step from its dequantized value
+    steps = layer.scale.float()[:, None]
+    assert ((layer.dequantize() - weight).abs() <= steps / 2 * 1.01).all()
+    for rows in (1, 5):
+        x = torch.randn(rows, 64).to(dtype)
+        expected = x.float() @ layer.dequantize().T + (linear.bias.detach().float() if bias else 0)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(layer(x).float(), expected, atol=tolerance * expected.abs().max(), rtol=tolerance)
+
+
+@pytest.mark.parametrize("model", ["gqa", "tied", "qwen2"])
+def test_engine_int8_matches_transformers_on_dequantized_weights(tiny_models, tmp_path, model):
+    """Greedy tokens equal transformers' on the weights dequantized by hand. Catches a linear left
+    unquantized or quantized by another rule (fused q/k/v or gate/up quantized as separate tensors are the
+    same rows, so the same numbers), a tied lm_head left in float, and the embedding quantized too."""
+    path = tiny_models[model]
+    llm = LLM(path, quantization="int8", block_size=4)
+    ours = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)
+    expected = conftest.reference(save_dequantized(path, str(tmp_path / "dequantized")), PROMPTS, MAX_TOKENS)
+    assert [o.token_ids for o in ours] == expected
+    net = llm.engine.model_runner.model
+    assert isinstance(net.lm_head, Int8Linear) and not any(isinstance(m, nn.Linear) for m in net.modules())
+    assert net.model.embed_tokens.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("model", ["gqa", "tied"])
+def test_int8_logits_are_the_dequantized_models(tiny_models, tmp_path, model):
+    """The same at the logits, which tokens alone may not show: close to transformers' on the dequantized
+    weights and measurably apart from the float model's (so a layer left in float would fail)."""
+    path = tiny_models[model]
+    net = load_model(path, torch.float32, torch.device("cpu"), "torch", quantization="int8")
+    kv_cache = torch.zeros(2, net.num_layers, 16, 4, net.num_kv_heads, net.head_dim)
+    with torch.inference_mode():
+        ours = net(make_batch([PROMPT]), kv_cache)  # [n, vocab]
+    dequantized = AutoModelForCausalLM.from_pretrained(save_dequantized(path, str(tmp_path / "dq")))
+    torch.testing.assert_close(ours, reference_logits(dequantized, PROMPT), atol=1e-4, rtol=1e-4)
+    original = reference_logits(AutoModelForCausalLM.from_pretrained(path), PROMPT)
+    assert (ours - original).abs().max() > 1e-3
+
+
+def test_compiled_int8_is_token_exact(tiny_models, tmp_path):
+    """enforce_eager=False with int8: compiled (inductor takes the int8 kernel as it is) and still
+    token-exact with transformers on the dequantized weights."""
+    llm = LLM(tiny_models["gqa"], quantization="int8", enforce_eager=False, block_size=4)
+    assert llm.engine.model_runner.compiled
+    ours = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)
+    expected = conftest.reference(save_dequantized(tiny_models["gqa"], str(tmp_path / "dq")), PROMPTS, MAX_TOKENS)
+    assert [o.token_ids for o in ours] == expected
+
+
+def test_tensor_parallel_int8_quantizes_each_shard(tiny_models, tmp_path):
+    """TP=2 with int8 is token-exact with transformers on weights dequantized shard by shard: o_proj's and
+    down_proj's rows split over the ranks, each half with its own scale. Catches quantizing the whole
+    weight before it is split, or a rank's shard left in float."""
+    path = tiny_models["gqa"]
+    with LLM(path, tensor_parallel_size=2, quantization="int8", block_size=4) as llm:
+        ours = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)
+    expected = conftest.reference(save_dequantized(path, str(tmp_path / "dq"), row_parallel_parts=2), PROMPTS,
+                                  MAX_TOKENS)
+    assert [o.token_ids for o in ours] == expected
+
+
+def test_bad_quantization_values_are_named(tiny_models):
+    """Catches an unknown method accepted (and silently not applied), and a dtype the kernel refuses found
+    only in the first step, as a RuntimeError that names no parameter."""
+    for value in ("int4", "INT8", True):
+        with pytest.raises(ValueError, match="quantization must be None or 'int8'"):
+            Config(model=tiny_models["gqa"], quantization=value)
+    linear = nn.Linear(16, 8).to(torch.float64)  # the kernel takes 16- and 32-bit floats only
+    with pytest.raises(ValueError, match="quantization='int8' is not supported here.*float64"):
+        check_kernel(Int8Linear(linear), linear.weight)
