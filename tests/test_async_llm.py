@@ -209,3 +209,50 @@ def test_fair_queue_takes_turns_across_streams_and_removes_any_request():
         assert len(pending) == 0 and not pending.streams
         return taken
     assert asyncio.run(run()) == ["a0", "b0", "a2", "b1", "a3"]
+
+
+def test_metrics_count_every_finish_once_whoever_made_it_and_forget_its_id():
+    """A request the engine aborted itself, one that failed alone (its grammar), one the loop aborted, one that
+    ran to its end: each counted once by its finish reason, and no id left in Metrics' per-request maps.
+    Catches: the engine loop skipping every "abort" output (it assumed the loop had made them all): the engine's
+    own aborts never counted, their ids kept for good; a failed request answered with its output."""
+    from nanoserve.entrypoints.openai.metrics import Metrics
+    from nanoserve.structured_outputs import StructuredOutputsParams
+    engine = new_engine()
+    metrics = Metrics("m", engine.model_runner.num_blocks - 1)
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    step, num_steps = engine.step, iter(range(10**6))
+
+    def step_aborting_victim():  # the engine's own abort, as a policy of its own would make it
+        if next(num_steps) == 3 and "victim" in engine.requests:
+            engine.abort_request("victim")
+        return step()
+    engine.step = step_aborting_victim
+    dead_end = StructuredOutputsParams(grammar='root ::= "a" x\nx ::= x')
+
+    async def drain(llm: AsyncLLM, request_id: str, params: SamplingParams, abort_after: int | None = None) -> object:
+        """Its finish reason, or the ValueError it raised; aborted by the loop after `abort_after` deltas."""
+        try:
+            async for result in llm.generate(prompt, params, request_id):
+                if isinstance(result, RequestOutput):
+                    return result.finish_reason
+                if abort_after is not None:
+                    abort_after -= 1
+                    if abort_after == 0:
+                        llm.abort(request_id)
+        except ValueError as error:
+            return error
+
+    async def run():
+        async with AsyncLLM(engine, metrics) as llm:
+            return await asyncio.wait_for(asyncio.gather(
+                drain(llm, "victim", LONG),
+                drain(llm, "failing", SamplingParams(max_tokens=8, structured_outputs=dead_end)),
+                drain(llm, "aborted", LONG, abort_after=2),
+                drain(llm, "done", SamplingParams(temperature=0, max_tokens=4))), timeout=60)
+    victim, failing, aborted, done = asyncio.run(run())
+    assert (victim, aborted, done) == ("abort", "abort", "length")
+    assert isinstance(failing, ValueError) and "allows no token" in str(failing)
+    counts = {reason: metrics.success.labels("m", reason)._value.get() for reason in ("abort", "error", "length")}
+    assert counts == {"abort": 2, "error": 1, "length": 1}
+    assert not metrics.unscheduled and not metrics.no_token_yet and not metrics.last_token_time

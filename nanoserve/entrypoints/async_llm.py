@@ -19,7 +19,8 @@ Between two steps the loop takes every message in the inbox, hands the engine th
 its next step could run (`admit`: round-robin across streams, so that one stream's 128,000 requests
 do not delay another stream's first token), then steps the engine and sends each request's results
 to the ReplyQueue it came with: `Accepted` or `Failed` first, then its RequestDeltas, then its
-RequestOutput. Every submitted request gets exactly one final reply, its RequestOutput or a Failed,
+RequestOutput (a Failed instead when it failed alone: finish_reason "error", a grammar with no valid
+output). Every submitted request gets exactly one final reply, its RequestOutput or a Failed,
 unless the loop is stopped first. Idle, it blocks on the inbox. A stream closed before its requests
 finish (its reader left: a client disconnected, a task was cancelled) sends an Abort, so their KV
 blocks are free before the next step. A step that raises fails the requests it ran
@@ -128,7 +129,8 @@ class Accepted:
 
 @dataclass
 class Failed:
-    """Reply: the request failed: add_request's ValueError, an EngineGenerateError or an EngineDeadError."""
+    """Reply: the request failed: add_request's ValueError, the ValueError or EngineGenerateError of a request
+    that failed alone in a step (its grammar), an EngineGenerateError or an EngineDeadError."""
     request_id: str
     error: Exception
 
@@ -248,9 +250,10 @@ class EngineLoop:
         for delta in result.deltas:
             self.send(delta.request_id, delta)
         for output in result.outputs:
-            if output.finish_reason != "abort":  # an abort was recorded when this loop made it
+            if output.request_id in self.replies:  # an abort this loop made was recorded then (and left replies)
                 self.stat_logger.record_finished(output)
-            self.send(output.request_id, output)
+            self.send(output.request_id, output if output.error is None else Failed(output.request_id,
+                                                                                  request_error(output.error)))
             self.replies.pop(output.request_id, None)
         self.stat_logger.record_engine(self.stats())
 
@@ -268,6 +271,14 @@ class EngineLoop:
         while not isinstance(message := self.inbox.get(), Stop):
             if isinstance(message, Submit):
                 message.replies.put(Failed(message.request_id, EngineDeadError("the engine loop has died")))
+
+
+def request_error(error: Exception) -> Exception:
+    """What a request that failed alone in the engine (finish_reason "error") raises for its reader: its
+    input's fault (an InvalidRequest naming the field), else an EngineGenerateError."""
+    if isinstance(error, ValueError):
+        return error
+    return EngineGenerateError(f"the request failed: {error!r}")
 
 
 # --- The caller's side ---------------------------------------------------------------------------

@@ -308,6 +308,13 @@ def build_parser(prog: str) -> OneLineParser:
     parser.add_argument("--max-request-body-bytes", type=positive(int), default=Limits.max_body_bytes)
     parser.add_argument("--header-timeout", type=positive(float), default=HEADER_TIMEOUT,
                         help="seconds a connection may take to send a request's head")
+    parser.add_argument("--max-grammar-bytes", type=positive(int), default=Limits.max_grammar_bytes,
+                        help="bytes of one request's schema, regex, grammar or choices (structured outputs)")
+    parser.add_argument("--max-grammar-depth", type=positive(int), default=Limits.max_grammar_depth,
+                        help="nesting of a schema, and of brackets in a regex, grammar or pattern")
+    parser.add_argument("--max-grammar-compile-seconds", type=positive(float),
+                        default=Limits.max_grammar_compile_seconds,
+                        help="seconds a request waits for its grammar to compile before a 400")
     add_engine_arguments(parser)
     return parser
 
@@ -331,7 +338,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.serve")
     except (ValueError, OSError) as error:
         parser.error(str(error))
     limits = Limits(max_body_bytes=args.max_request_body_bytes, max_num_queued_requests=args.max_num_queued_requests,
-                    max_completions_per_request=args.max_completions_per_request, write_timeout=args.write_timeout)
+                    max_completions_per_request=args.max_completions_per_request, write_timeout=args.write_timeout,
+                    max_grammar_bytes=args.max_grammar_bytes, max_grammar_depth=args.max_grammar_depth,
+                    max_grammar_compile_seconds=args.max_grammar_compile_seconds)
     name = args.served_model_name or args.model
     server = uvicorn_server(build_app(engine, name, args.api_key, limits), args.host, args.port, args.header_timeout,
                             log_level="info")

@@ -43,6 +43,12 @@ class Limits:
     # Seconds a stream may wait for its client to take a chunk (the socket's buffers full) before its
     # connection is closed: a client that stops reading holds no more than this.
     write_timeout: float = 30.0
+    # Structured outputs (response_format, structured_outputs), checked before xgrammar sees them: bytes of
+    # the schema, regex, grammar or choices; nesting of the schema and of brackets in patterns, regexes and
+    # grammars; seconds a request waits for its grammar's compile (past it, a 400).
+    max_grammar_bytes: int = 64 * 1024
+    max_grammar_depth: int = 64
+    max_grammar_compile_seconds: float = 10.0
 
 
 # --- Errors -------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ API's JSON.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -23,10 +24,11 @@ from typing import TypeVar
 
 from nanoserve import LLMEngine, RequestDelta, RequestOutput, SamplingParams
 from nanoserve.entrypoints.async_llm import AsyncLLM
+from nanoserve.entrypoints.openai.grammar_bounds import check_bounds
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.protocol import APIError, Limits, SamplingBody, given, shorten
 from nanoserve.sampler import InvalidRequest, Logprob
-from nanoserve.structured_outputs import StructuredOutputsParams, parse_grammar
+from nanoserve.structured_outputs import StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -155,19 +157,23 @@ def sampling_params(body: SamplingBody, api: API, max_tokens: int | None, limits
                               repetition_penalty=given(body.repetition_penalty, 1.0), min_p=given(body.min_p, 0.0),
                               logit_bias=logit_bias(body.logit_bias), min_tokens=min_tokens,
                               include_stop_str_in_output=bool(body.include_stop_str_in_output),
-                              structured_outputs=structured_outputs(body))
+                              structured_outputs=structured_outputs(body, limits))
     except InvalidRequest as error:
         raise APIError(str(error), param=grammar_field(body) if error.param == "structured_outputs" else error.param) \
             from None
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's logit_bias, {"token id": bias}, as SamplingParams takes it; biases clamped to [-100, 100] as
-    vLLM does. Ids past the vocabulary are refused by add_request."""
+    """OpenAI's logit_bias, {"token id": bias}, as SamplingParams takes it: ids in ASCII decimal ("²" and "٣" are
+    digits to str.isdigit, not to OpenAI), at most 10 digits (int() of 5,000 digits raises), biases finite and
+    clamped to [-100, 100] as vLLM does. Ids past the vocabulary are refused by add_request."""
     if not bias:
         return None
-    if bad := [key for key in bias if not key.isdigit()]:
-        raise APIError(f"logit_bias keys must be token ids, got {shorten(repr(bad[:5]))}", param="logit_bias")
+    if bad := [key for key in bias if not (key.isascii() and key.isdigit() and len(key) <= 10)]:
+        raise APIError(f"logit_bias keys must be token ids in decimal, got {shorten(repr(bad[:5]))}",
+                       param="logit_bias")
+    if bad := [value for value in bias.values() if not math.isfinite(value)]:
+        raise APIError(f"logit_bias values must be finite numbers, got {bad[:5]}", param="logit_bias")
     return {int(key): min(100.0, max(-100.0, value)) for key, value in bias.items()}
 
 
@@ -176,28 +182,27 @@ def grammar_field(body: SamplingBody) -> str:
     return "structured_outputs" if body.structured_outputs is not None else "response_format"
 
 
-def structured_outputs(body: SamplingBody) -> StructuredOutputsParams | None:
-    """vLLM's structured_outputs extra, else OpenAI's response_format (json_object or json_schema), else None."""
-    if body.structured_outputs is not None:
-        return StructuredOutputsParams(**body.structured_outputs.model_dump(by_alias=True, exclude_none=True))
+def structured_outputs(body: SamplingBody, limits: Limits) -> StructuredOutputsParams | None:
+    """vLLM's structured_outputs extra, or OpenAI's response_format (json_object or json_schema), or None; both
+    is a 400 (one kind of structured output per request, as vLLM). A spec past the limits is a 400 before
+    anything parses it (check_bounds)."""
     response_format = body.response_format
-    if response_format is None or response_format.type == "text":
+    if response_format is not None and response_format.type == "text":
+        response_format = None
+    if body.structured_outputs is not None and response_format is not None:
+        raise APIError("give one of response_format and structured_outputs, not both", param="structured_outputs")
+    if body.structured_outputs is not None:
+        spec = body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+    elif response_format is None:
         return None
-    if response_format.type == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+    elif response_format.type == "json_object":
+        spec = dict(json_object=True)
+    elif response_format.json_schema is None or response_format.json_schema.schema_ is None:
         raise APIError("response_format of type json_schema needs json_schema.schema", param="response_format")
-    return StructuredOutputsParams(json=response_format.json_schema.schema_)
-
-
-def check_grammar(params: SamplingParams, field: str) -> None:
-    """In the tokenizer thread, before the request is submitted: a grammar xgrammar rejects is a 400 naming
-    `field` (and the engine thread never waits for xgrammar's first import)."""
-    if params.structured_outputs is not None:
-        try:
-            parse_grammar(params.structured_outputs)
-        except InvalidRequest as error:
-            raise APIError(f"{field}: {error}", param=field) from None
+    else:
+        spec = dict(json=response_format.json_schema.schema_)
+    check_bounds(spec, limits.max_grammar_bytes, limits.max_grammar_depth)
+    return StructuredOutputsParams(**spec)
 
 
 class Serving:
@@ -208,6 +213,7 @@ class Serving:
         self.model_name, self.limits = model_name, limits
         self.model_path, self.max_model_len = engine.config.model, engine.max_model_len
         self.tokenizer = engine.tokenizer
+        self.grammars = engine.grammars  # thread-safe: handlers compile a request's grammar before submitting it
         self.metrics = Metrics(model_name, num_usable_blocks=engine.model_runner.num_blocks - 1)  # block 0: unused
         self.async_llm = AsyncLLM(engine, self.metrics)
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer")
@@ -304,6 +310,25 @@ class Serving:
     def check_chat_template(self) -> None:
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise APIError(f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
+
+    async def compile_grammar(self, spec: StructuredOutputsParams, field: str) -> None:
+        """Parse spec in the tokenizer thread and wait for its compile (the engine's GrammarCompiler, whose
+        cache add_request then hits), at most max_grammar_compile_seconds. A spec xgrammar rejects, one that
+        fails to compile (`a{2147483648}` parses, lazily) or allows no output (`root ::= root`), or one past
+        the time budget, is a 400 naming `field`, for this request alone, before it reaches the engine."""
+        seconds = self.limits.max_grammar_compile_seconds
+        try:
+            future = await self.in_tokenizer_thread(lambda: self.grammars.submit(spec))
+            # shielded: a request that gives up leaves the compile to the other requests with the same spec
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), seconds)
+        except InvalidRequest as error:
+            raise APIError(f"{field}: {error}", param=field) from None
+        except TimeoutError:
+            raise APIError(f"{field}: the grammar took over {seconds} s to compile, this server's limit",
+                           param=field) from None
+        except Exception as error:  # xgrammar's RuntimeError for a grammar that parses but cannot compile
+            raise APIError(f"{field}: the grammar cannot be compiled: {shorten(str(error), 300)}",
+                           param=field) from None
 
     def fit_to_context(self, params: SamplingParams, max_tokens: int | None, num_prompt_tokens: int,
                        field: str) -> SamplingParams:
