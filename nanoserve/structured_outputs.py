@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 CACHE_SIZE = 256  # compiled grammars kept, the least recently asked for dropped first,
 CACHE_BYTES = 512 * 2**20  # and at most this many bytes of them (xgrammar's memory_size_bytes)
+SMALL_SPEC_CHARS = 4096  # a spec this short compiles in a lane of its own, never queued behind a large one
 
 
 @dataclass(frozen=True)
@@ -150,34 +151,54 @@ class RequestGrammar:
 
 class GrammarCompiler:
     """An engine's grammars: parsed once (`StructuredOutputsParams.parsed`), compiled in a background thread,
-    cached by spec. Thread-safe: a server's handlers submit grammars too (`submit`), and wait for the compile
-    before the request reaches the engine, whose add_request then finds it compiled in the cache."""
+    cached by spec. Two compile threads: one for small specs (SMALL_SPEC_CHARS), one for the rest, so that a
+    1 ms regex never waits behind a 5,000-string enum. Thread-safe: a server's handlers submit grammars too
+    and wait for the compile (`submit(..., waiting=True)`, then `leave`) before the request reaches the engine,
+    whose add_request then finds it compiled in the cache; a compile that every waiter left before it started
+    is cancelled."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, eos_token_ids: set[int]) -> None:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self.compiler: Any = None  # xgrammar's, made by the pool's first task (reading the vocabulary takes ~0.5 s)
+        self.small_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-small")
+        self.compiler: Any = None  # xgrammar's, made by the first compile (reading the vocabulary takes ~0.5 s)
         self.cache: OrderedDict[str, Future] = OrderedDict()
-        self.lock = threading.Lock()  # over `cache`: the engine thread and a server's threads submit
+        self.waiters: dict[str, int] = {}  # spec key -> requests waiting for its compile (`submit`'s waiting)
+        self.lock = threading.Lock()  # over cache, waiters and compiler: the engine thread and a server's submit
         self.cache_bytes = CACHE_BYTES
 
     def compile(self, spec: StructuredOutputsParams) -> RequestGrammar:
         """A grammar for one request (its own matcher), compiling in the background unless cached."""
         return RequestGrammar(self.submit(spec))
 
-    def submit(self, spec: StructuredOutputsParams) -> Future:
+    def submit(self, spec: StructuredOutputsParams, waiting: bool = False) -> Future:
         """The compile of spec: cached, else started now (a failed one is tried again). The spec is parsed
-        here unless it was before; a spec xgrammar rejects is an InvalidRequest naming structured_outputs."""
+        here unless it was before; a spec xgrammar rejects is an InvalidRequest naming structured_outputs.
+        `waiting`: a request waits for it until it calls `leave`."""
         if self.tokenizer is None:
             raise InvalidRequest("structured_outputs", "structured_outputs needs the model's tokenizer")
         grammar, key = spec.parsed, spec.key
         with self.lock:
             future = self.cache.get(key)
             if future is None or future.done() and failure(future) is not None:
-                self.cache[key] = self.pool.submit(self.compile_now, grammar)
-                self.evict()
+                pool = self.small_pool if len(key) <= SMALL_SPEC_CHARS else self.pool
+                self.cache[key] = pool.submit(self.compile_now, grammar)
             self.cache.move_to_end(key)
+            self.evict()  # sizes are known once compiled: each submit evicts for those done since the last
+            if waiting:
+                self.waiters[key] = self.waiters.get(key, 0) + 1
             return self.cache[key]
+
+    def leave(self, spec: StructuredOutputsParams) -> None:
+        """A request that waited for spec's compile stopped waiting (compiled, past its time budget, or its
+        client left). A compile no request waits for any more and not yet started is cancelled: six clients
+        that sent a huge schema and left kept the compile thread busy for 23 s."""
+        with self.lock:
+            self.waiters[spec.key] -= 1
+            if self.waiters[spec.key] == 0:
+                del self.waiters[spec.key]
+                if spec.key in self.cache and self.cache[spec.key].cancel():  # False once started
+                    del self.cache[spec.key]
 
     def evict(self) -> None:
         """Drop the least recently asked for grammars past CACHE_SIZE or past cache_bytes (the compiled ones'
@@ -192,11 +213,12 @@ class GrammarCompiler:
         """In the pool's thread: the grammar's token masks over this vocabulary. A grammar that allows no
         output at all (`root ::= root`: its language is empty) is an InvalidRequest, before any request runs."""
         import xgrammar as xgr
-        if self.compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.eos_token_ids)
-            # one core (the engine has the rest); no cache of xgrammar's own, unbounded: this class caches
-            self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        with self.lock:  # the first compile of either thread makes it
+            if self.compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.eos_token_ids)
+                # one core each (the engine has the rest); no cache of xgrammar's own, unbounded: this class caches
+                self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         compiled = self.compiler.compile_grammar(grammar)
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)

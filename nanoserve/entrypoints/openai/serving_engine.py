@@ -318,8 +318,12 @@ class Serving:
         the time budget, is a 400 naming `field`, for this request alone, before it reaches the engine."""
         seconds = self.limits.max_grammar_compile_seconds
         try:
-            future = await self.in_tokenizer_thread(lambda: self.grammars.submit(spec))
-            # shielded: a request that gives up leaves the compile to the other requests with the same spec
+            await self.in_tokenizer_thread(lambda: self.grammars.submit(spec))  # parses it there
+        except InvalidRequest as error:
+            raise APIError(f"{field}: {error}", param=field) from None
+        future = self.grammars.submit(spec, waiting=True)  # parsed: at once, with no await before `leave`
+        try:
+            # shielded: a request that gives up leaves the compile to the others waiting for it (`leave`)
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), seconds)
         except InvalidRequest as error:
             raise APIError(f"{field}: {error}", param=field) from None
@@ -329,6 +333,8 @@ class Serving:
         except Exception as error:  # xgrammar's RuntimeError for a grammar that parses but cannot compile
             raise APIError(f"{field}: the grammar cannot be compiled: {shorten(str(error), 300)}",
                            param=field) from None
+        finally:
+            self.grammars.leave(spec)
 
     def fit_to_context(self, params: SamplingParams, max_tokens: int | None, num_prompt_tokens: int,
                        field: str) -> SamplingParams:
