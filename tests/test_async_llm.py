@@ -256,3 +256,31 @@ def test_metrics_count_every_finish_once_whoever_made_it_and_forget_its_id():
     counts = {reason: metrics.success.labels("m", reason)._value.get() for reason in ("abort", "error", "length")}
     assert counts == {"abort": 2, "error": 1, "length": 1}
     assert not metrics.unscheduled and not metrics.no_token_yet and not metrics.last_token_time
+
+
+def test_turns_are_per_client_and_one_client_holds_at_most_its_share_of_the_engine():
+    """Catches: turns per stream (a client with many streams, here 10, puts all of them before another
+    client's first request), and no bound on one client's engine slots (it takes all max_num_seqs, so another
+    client's first token waits for one of its requests to end)."""
+    from nanoserve.entrypoints.async_llm import EngineLoop
+    engine = LLMEngine(Config.from_kwargs(nanoserve.DEFAULT_MODEL, **{**ENGINE, "max_num_seqs": 8}))
+    loop = EngineLoop(engine, StatLogger())
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+
+    async def reply_queues():
+        return [ReplyQueue() for _ in range(12)]
+    queues = asyncio.run(reply_queues())
+    for stream in range(10):  # client A: 10 streams of 2
+        for i in range(2):
+            loop.pending.add(Submit(f"a{stream}-{i}", prompt, LONG, 0.0, queues[stream], client="A"))
+    loop.admit()
+    assert len(engine.requests) == 7  # 8 - 8 // 8: one slot left for the others
+    loop.pending.add(Submit("b", prompt, LONG, 0.0, queues[10], client="B"))
+    loop.pending.add(Submit("c", prompt, LONG, 0.0, queues[11]))  # no client: its stream's own turn
+    loop.admit()
+    assert "b" in engine.requests and sum(r.startswith("a") for r in engine.requests) == 7
+    engine.discard(list(engine.requests))
+    loop.num_in_engine.clear()
+    loop.client_of.clear()
+    loop.admit()  # A up to its share, then c
+    assert sorted(engine.requests) == ["a3-1", "a4-0", "a4-1", "a5-0", "a5-1", "a6-0", "a6-1", "c"]

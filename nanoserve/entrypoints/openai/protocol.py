@@ -33,6 +33,9 @@ class Limits:
     # Completions (prompts x n) in flight: tokenizing, waiting or running in the engine, not only queued; more: 429.
     # None: 4 x the engine's max_num_seqs (Serving.max_in_flight), a running batch and three more waiting.
     max_num_queued_requests: int | None = None
+    # Of those, what one client (the body's `user`, else its API key, else its address) may hold; more: 429.
+    # None: 7/8 of max_num_queued_requests, so that one client cannot make 429s for the others.
+    max_num_queued_requests_per_client: int | None = None
     max_n: int = 128                               # completions of one prompt (n): OpenAI's limit
     # Bytes of text in one request's prompts or messages together (at least what one prompt may hold),
     # and token ids in one /detokenize (at least max_model_len): a bound on one request's tokenizer time.
@@ -134,7 +137,7 @@ class SamplingBody(Strict):
     ignore_eos: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None  # OpenAI's end-user id: accepted, unused
+    user: str | None = None  # OpenAI's end-user id: the client whose turns and share a request takes
     n: int | None = None     # completions of each prompt
     frequency_penalty: float | None = None
     presence_penalty: float | None = None

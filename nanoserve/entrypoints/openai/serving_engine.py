@@ -16,6 +16,8 @@ API's JSON.
 from __future__ import annotations
 
 import asyncio
+import collections
+import hashlib
 import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -177,6 +179,17 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return {int(key): min(100.0, max(-100.0, value)) for key, value in bias.items()}
 
 
+def client_key(body: SamplingBody, headers: dict[str, str], peer: str | None) -> str:
+    """Who sent a request, for fair turns and per-client bounds: the body's `user` (OpenAI's end-user id), else
+    the API key (as a hash: it is never kept), else the peer's address."""
+    if body.user:
+        return "user:" + body.user
+    scheme, _, key = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and key.strip():
+        return "key:" + hashlib.sha256(key.strip().encode()).hexdigest()[:16]
+    return f"peer:{peer}"
+
+
 def grammar_field(body: SamplingBody) -> str:
     """The field that asked for structured outputs: an error about the grammar names it."""
     return "structured_outputs" if body.structured_outputs is not None else "response_format"
@@ -223,6 +236,10 @@ class Serving:
         # their bound: what --max-num-queued-requests says, by default what the engine runs at once x 4.
         self.num_in_flight = 0
         self.max_in_flight = limits.max_num_queued_requests or 4 * engine.config.max_num_seqs
+        # and per client (`client_key`): what each holds, and its bound
+        self.in_flight_by_client: collections.Counter[str] = collections.Counter()
+        self.max_in_flight_per_client = (limits.max_num_queued_requests_per_client
+                                         or self.max_in_flight - self.max_in_flight // 8)
         # A token covers at most this many bytes of text: a text longer than max_model_len of them
         # cannot fit, and is refused untokenized. (A token's vocabulary entry has at least the bytes of
         # the text it covers, at most half more after Unicode normalization: x2 for safety.)
@@ -247,10 +264,10 @@ class Serving:
             raise APIError(f"model {shorten(repr(name))} does not exist; this server serves {self.model_name!r}",
                            param="model", status=404, code="model_not_found")
 
-    def admit(self, num_choices: int) -> None:
-        """Take a slot of max_in_flight per choice (prompts x n) or refuse at once (429), before any
-        tokenizing: a burst costs no more than reading its bodies. A request past either bound on its
-        own could never be served: 400."""
+    def admit(self, num_choices: int, client: str = "") -> None:
+        """Take a slot of max_in_flight per choice (prompts x n), and of the client's own bound, or refuse at
+        once (429), before any tokenizing: a burst costs no more than reading its bodies. A request past either
+        bound on its own could never be served: 400."""
         if self.async_llm.error is not None:
             raise APIError("the engine loop has died; the server cannot serve", status=503)
         per_request, limit = self.limits.max_completions_per_request, self.max_in_flight
@@ -264,7 +281,22 @@ class Serving:
             self.metrics.rejected.inc()
             raise APIError(f"the server is busy: {self.num_in_flight} completions in flight, at most {limit} "
                            f"(--max-num-queued-requests); retry later", status=429, code="too_many_requests")
+        # A client holding nothing may take more than its share in one request (as the bound above allows).
+        held, share = self.in_flight_by_client[client], self.max_in_flight_per_client
+        if held > 0 and held + num_choices > share:
+            self.metrics.rejected.inc()
+            raise APIError(f"this client has {held} completions in flight, at most {share} of the server's {limit} "
+                           f"(--max-num-queued-requests-per-client); retry later", status=429,
+                           code="too_many_requests")
         self.num_in_flight += num_choices
+        self.in_flight_by_client[client] += num_choices
+
+    def release(self, client: str, num_choices: int = 1) -> None:
+        """Give back slots `admit` took."""
+        self.num_in_flight -= num_choices
+        self.in_flight_by_client[client] -= num_choices
+        if self.in_flight_by_client[client] <= 0:
+            del self.in_flight_by_client[client]
 
     def check_request_bytes(self, texts: list[str], field: str) -> None:
         """On the event loop, before any tokenizing: a request's texts together are at most

@@ -29,6 +29,7 @@ from nanoserve.entrypoints.openai.serving_engine import (
     Prompt,
     Serving,
     Shown,
+    client_key,
     grammar_field,
     sampling_params,
 )
@@ -43,12 +44,13 @@ class Generation:
     client that does not read holds no slot past that), or at `close()` if never submitted. Its
     handler calls close() however the request ends; close() aborts the engine requests not finished."""
 
-    def __init__(self, serving: Serving, num_choices: int, grammar_field: str = "structured_outputs") -> None:
-        serving.admit(num_choices)
-        self.serving, self.num_choices, self.closed = serving, num_choices, False
+    def __init__(self, serving: Serving, num_choices: int, grammar_field: str = "structured_outputs",
+                 client: str = "") -> None:
+        serving.admit(num_choices, client)
+        self.serving, self.num_choices, self.closed, self.client = serving, num_choices, False, client
         self.grammar_field = grammar_field  # the body's field that a grammar's error names
         self.id = uuid.uuid4().hex
-        self.stream = serving.async_llm.stream(on_finished=self.release)
+        self.stream = serving.async_llm.stream(on_finished=self.release, client=client)
         self.index: dict[str, int] = {}  # engine request id -> its choice's index
         self.holding: set[str] = set()   # submitted requests whose slots this generation still holds
 
@@ -84,7 +86,7 @@ class Generation:
         """The engine has finished a request (on the event loop, as its final reply arrives): its slot is free."""
         if request_id in self.holding:
             self.holding.discard(request_id)
-            self.serving.num_in_flight -= 1
+            self.serving.release(self.client)
 
     def close(self) -> None:
         """Abort what is not finished; their slots come back with their aborted outputs."""
@@ -92,7 +94,7 @@ class Generation:
             self.closed = True
             self.stream.close()
             if not self.index:  # never submitted (refused while tokenizing, or the client left): nothing will reply
-                self.serving.num_in_flight -= self.num_choices
+                self.serving.release(self.client, self.num_choices)
 
 
 async def generate_response(serving: Serving, request: Request, api: API, body: SamplingBody, num_prompts: int,
@@ -103,7 +105,8 @@ async def generate_response(serving: Serving, request: Request, api: API, body: 
     params = sampling_params(body, api, max_tokens, serving.limits)
     if body.stream_options is not None and not body.stream:
         raise APIError("stream_options is only for stream=true", param="stream_options")
-    generation = Generation(serving, num_prompts * params.n, grammar_field(body))  # takes its slots, or 429
+    client = client_key(body, request.headers, request.client.host if request.client else None)
+    generation = Generation(serving, num_prompts * params.n, grammar_field(body), client)  # takes its slots, or 429
 
     async def start() -> Response:
         prompts = await serving.in_tokenizer_thread(prepare)
