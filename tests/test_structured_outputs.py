@@ -145,10 +145,10 @@ def test_a_request_whose_grammar_compiles_waits_without_holding_up_the_others():
     assert [seq.request_id for seq, _ in scheduler.schedule()] == ["second", "first"]
 
 
-def test_a_long_compile_leaves_the_engine_loop_free_and_a_failed_one_aborts_its_request_alone(monkeypatch, caplog):
+def test_a_long_compile_leaves_the_engine_loop_free_and_a_failed_one_fails_its_request_alone(monkeypatch, caplog):
     """A compile still running after a step's short wait leaves that step empty (no error: the engine's loop
     goes back to its new requests and aborts), and the request runs once it is done. A compile that fails
-    aborts its own request, logged; the request beside it finishes, and the next request with that spec
+    fails its own request ("error"), logged; the request beside it finishes, and the next request with that spec
     compiles again. Catches: step() blocking for a whole compile, raising 'no progress', a failed grammar
     failing the step and every request in it, a failed compile kept in the cache."""
     llm = LLM(DEFAULT_MODEL, block_size=16)
