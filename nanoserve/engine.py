@@ -28,7 +28,7 @@ from nanoserve.parallel import TensorParallelRunner
 from nanoserve.sampler import InvalidRequest, SamplingParams, require
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
-from nanoserve.structured_outputs import GrammarCompiler, abort_failed_grammars, wait_for_grammars
+from nanoserve.structured_outputs import GrammarCompiler, fail_grammars, grammars_pending, wait_for_grammars
 from nanoserve.tokenizer import load_tokenizer, read_eos_token_ids, tokenize
 
 
@@ -66,7 +66,7 @@ class LLMEngine:
             self.scheduler = Scheduler(config, num_blocks, self.block_size, self.max_model_len, eos_token_ids)
             self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids)
             self.requests: dict[str, Sequence] = {}  # unfinished requests by id
-            self.aborted: list[RequestOutput] = []   # aborted since the last step, reported by the next
+            self.aborted: list[RequestOutput] = []   # aborted or failed since the last step: the next reports them
             self.request_counter = itertools.count()
         except BaseException:
             self.model_runner.close()
@@ -115,6 +115,14 @@ class LLMEngine:
         self.aborted.append(request_output(seq))
         return self.aborted[-1]
 
+    def fail_request(self, seq: Sequence, error: Exception) -> None:
+        """End a waiting request that failed alone (its grammar did not compile): finish_reason "error", and
+        `error` in its output, which the next step reports."""
+        seq.error = error
+        del self.requests[seq.request_id]
+        self.scheduler.finish(seq, "error")
+        self.aborted.append(request_output(seq))
+
     def discard(self, request_ids: list[str]) -> None:
         """Abort these requests, if unfinished, without reporting them in a later step: for a caller
         that reports the failure itself (LLM.generate raising), so that no output is left behind."""
@@ -149,13 +157,13 @@ class LLMEngine:
     def step(self) -> StepResult:
         """One turn of continuous batching: schedule -> build_batch -> forward + sample -> update.
         Every unfinished request whose turn it is gets its next prefill chunk or decode token."""
-        abort_failed_grammars(self.scheduler.waiting, self.abort_request)  # structured_outputs.py
+        if not self.scheduler.running:  # nothing else to run while grammars compile: wait a little for them
+            wait_for_grammars(list(self.scheduler.waiting))  # structured_outputs.py
+        fail_grammars(self.scheduler.waiting, self.fail_request)
         aborted, self.aborted = self.aborted, []
-        # nothing else to run while grammars compile: wait a little for them
-        compiling = not self.scheduler.running and wait_for_grammars(list(self.scheduler.waiting))
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            if self.has_unfinished_requests() and not compiling:
+            if self.has_unfinished_requests() and not grammars_pending(self.scheduler.waiting):
                 raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never expected
             return StepResult(None, [], [], aborted, [])
         decode_ids = [s.request_id for s, n in scheduled
@@ -167,4 +175,4 @@ class LLMEngine:
             del self.requests[seq.request_id]
         return StepResult(batch, [(seq.request_id, n) for seq, n in scheduled], decode_ids,
                           aborted + [request_output(seq) for seq in finished],
-                          [request_delta(seq, num_tokens) for seq, num_tokens in sampling])
+                          [request_delta(seq, num_tokens) for seq, num_tokens in sampling if seq.error is None])

@@ -3,7 +3,8 @@
 `process_logits` applies them to the rows that sample (logits [S, vocab], one row per request), in
 vLLM's order:
 1. structured outputs: -inf outside the grammar's allowed tokens (structured_outputs.py);
-2. min_tokens: -inf on EOS and the stop tokens while the output is shorter than min_tokens;
+2. min_tokens: -inf on EOS and the stop tokens while the output is shorter than min_tokens (under a grammar
+   too: one that can only end sooner fails the request);
 3. logit_bias: added to the logits of the tokens it names;
 4. penalties: repetition_penalty over the tokens in the prompt or the output (a positive logit is
    divided by it, a negative one multiplied, so either way the token gets less likely), then
@@ -11,6 +12,7 @@ vLLM's order:
 The sampler then divides by the temperature and applies min_p, top-k and top-p (sampler.py).
 Logprobs come from the logits as the model gave them (vLLM's default): these work on a copy. When no
 row asks for any of them, the logits come back untouched after one attribute check per row.
+A failure here is one request's (its grammar, its parameters): it fails that request alone (`process_logits`).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from nanoserve.sampler import SamplingParams, is_finite_real, is_int, require
+from nanoserve.sampler import InvalidRequest, SamplingParams, is_finite_real, is_int, require
 from nanoserve.sequence import Sequence
 from nanoserve.structured_outputs import StructuredOutputsParams, apply_grammar_masks
 
@@ -49,22 +51,53 @@ def uses_processors(p: SamplingParams) -> bool:
 
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> torch.Tensor:
-    """logits [S, vocab] of the requests `seqs` that sample now -> the logits to sample from."""
+    """logits [S, vocab] of the requests `seqs` that sample now -> the logits to sample from. A processor that
+    raises for one request, or a row left with no token allowed, fails that request alone (seq.error: it ends
+    with "error" once its token, void, is appended); its row is zeroed so that sampling it cannot fail."""
     if not any(uses_processors(seq.params) for seq in seqs):
         return logits  # the common case: nothing to copy, nothing to do
     logits = logits.clone()
     apply_grammar_masks(logits, seqs)
     for row, seq in enumerate(seqs):
-        p = seq.params
-        # With a grammar, the grammar says when the output may end: the two must not ban every token.
-        if seq.num_tokens - seq.num_prompt_tokens < p.min_tokens and p.structured_outputs is None:
-            stop = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else eos_token_ids)
-            logits[row, sorted(stop)] = float("-inf")
-        if bias := p.logit_bias:  # through numpy: a 49k-id bias takes ~4 ms a step, not ~35 as lists (AVX2 EPYC)
-            ids = torch.from_numpy(np.fromiter(bias, np.int64, len(bias))).to(logits.device)  # [K]
-            logits[row, ids] += torch.from_numpy(np.fromiter(bias.values(), np.float32, len(ids))).to(logits.device)
+        try:
+            apply_row_processors(logits, row, seq, eos_token_ids)
+        except Exception as error:  # caused by this request's data: its failure, not the step's
+            seq.error = seq.error or error
     apply_penalties(logits, seqs)
+    fail_banned_rows(logits, seqs)
+    for row in [row for row, seq in enumerate(seqs) if seq.error is not None]:
+        logits[row] = 0
     return logits
+
+
+def apply_row_processors(logits: torch.Tensor, row: int, seq: Sequence, eos_token_ids: set[int]) -> None:
+    """min_tokens and logit_bias, in place, on seq's row."""
+    p = seq.params
+    if seq.num_tokens - seq.num_prompt_tokens < p.min_tokens:  # with a grammar too: one that must end sooner fails
+        stop = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else eos_token_ids)
+        logits[row, sorted(stop)] = float("-inf")
+    if bias := p.logit_bias:  # through numpy: a 49k-id bias takes ~4 ms a step, not ~35 as lists (AVX2 EPYC)
+        ids = torch.from_numpy(np.fromiter(bias, np.int64, len(bias))).to(logits.device)  # [K]
+        logits[row, ids] += torch.from_numpy(np.fromiter(bias.values(), np.float32, len(ids))).to(logits.device)
+
+
+def fail_banned_rows(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Fail each request whose row allows no token (all -inf): its grammar's language is empty, or the grammar
+    must end before min_tokens. (The sampler would pick token 0, which the grammar then refuses.)"""
+    rows = [row for row, seq in enumerate(seqs) if uses_processors(seq.params) and seq.error is None]
+    if not rows:
+        return
+    banned = torch.isneginf(logits[rows]).all(dim=1).tolist()  # [R]
+    for row in [row for row, is_banned in zip(rows, banned) if is_banned]:
+        seq, num_output = seqs[row], seqs[row].num_tokens - seqs[row].num_prompt_tokens
+        if seq.grammar is None:
+            seq.error = InvalidRequest("stop_token_ids", "every token is a stop token, banned until min_tokens")
+        elif num_output < seq.params.min_tokens:
+            seq.error = InvalidRequest("structured_outputs", f"structured_outputs must end after {num_output} "
+                                                             f"tokens, before min_tokens={seq.params.min_tokens}")
+        else:
+            seq.error = InvalidRequest("structured_outputs", f"structured_outputs allows no token after "
+                                                             f"{num_output} tokens: its language is empty")
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:

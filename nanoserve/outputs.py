@@ -2,7 +2,8 @@
 streaming, and the `StepResult` that carries both (plus the step's `Batch`, for tracing).
 
 Invariant: a request's deltas concatenate to its RequestOutput's token_ids and text; its last
-delta carries the finish_reason (an aborted request's output has none before it).
+delta carries the finish_reason (an aborted request's output has none before it; a failed one's, finish_reason
+"error", has no delta for its last, void, token).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ class CompletionOutput:
     index: int                   # which of the n completions
     text: str | None             # the completion decoded, when the model has a tokenizer
     token_ids: list[int]
-    finish_reason: str           # "stop" | "length" | "abort"
+    finish_reason: str           # "stop" | "length" | "abort" | "error" (the request failed alone: RequestOutput.error)
     logprobs: list[dict[int, Logprob]] | None = None  # per token, with SamplingParams.logprobs
 
 
@@ -35,6 +36,9 @@ class RequestOutput:
     latency: float               # seconds from arrival to finish
     # With SamplingParams.prompt_logprobs: per prompt token, None for the first (nothing predicts it).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # finish_reason "error": why it failed alone (an InvalidRequest naming the field, when its input caused it,
+    # such as a grammar with no valid output); its tokens are void. LLM.generate raises it; a server answers it.
+    error: Exception | None = None
 
     # The first (with n=1, the only) completion's text, token ids and finish reason.
     text = property(lambda self: self.outputs[0].text)
@@ -84,7 +88,8 @@ def request_output(seq: Sequence) -> RequestOutput:
     prompt_logprobs = list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
     completion = CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason, logprobs)
     return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], [completion],
-                         seq.num_cached_tokens or 0, ttft, seq.finish_time - seq.arrival_time, prompt_logprobs)
+                         seq.num_cached_tokens or 0, ttft, seq.finish_time - seq.arrival_time, prompt_logprobs,
+                         seq.error)
 
 
 def request_delta(seq: Sequence, num_tokens_before: int) -> RequestDelta:

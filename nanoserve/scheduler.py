@@ -225,10 +225,12 @@ class Scheduler:
         return finished
 
     def stop_reason(self, seq: Sequence) -> str | None:
-        """Every stop rule, here alone, for the token just appended: "stop" at EOS (unless
-        ignore_eos), a stop token or a stop string in the text (the detokenizer cut the text before
-        it); else "length" at max_tokens or max_model_len; else None: keep going."""
+        """Every stop rule, here alone, for the token just appended: "error" if the request failed (seq.error);
+        "stop" at EOS (unless ignore_eos), a stop token or a stop string in the text (the detokenizer cut the
+        text before it); else "length" at max_tokens or max_model_len; else None: keep going."""
         params, token = seq.params, seq.token_ids[-1]
+        if seq.error is not None:  # its grammar or a logits processor failed: it ends alone (its token is void)
+            return "error"
         if token in self.eos_token_ids and not params.ignore_eos:
             return "stop"
         if token in (params.stop_token_ids or ()) or (seq.detokenizer is not None and seq.detokenizer.stopped):

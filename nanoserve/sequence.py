@@ -41,7 +41,10 @@ class Sequence:
         self.block_hashes: list[bytes] = []              # prefix-cache keys of the full blocks, in order
         self.spec_token_ids: list[int] = []              # draft tokens this step verifies (spec_decode.py)
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None            # "stop" | "length" | "abort"
+        self.finish_reason: str | None = None            # "stop" | "length" | "abort" | "error"
+        # Why this request failed alone (its grammar or a logits processor raised: logits_processors.py);
+        # set, it ends with "error" at its next token and no other request notices.
+        self.error: Exception | None = None
         # TTFT and latency count from here: add_request, or the HTTP request's arrival when a server
         # passes it (add_request's arrival_time), so time spent queued before the engine counts too.
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
@@ -62,8 +65,8 @@ class Sequence:
             self.first_token_time = time.perf_counter()
         if self.detokenizer is not None:
             self.detokenizer.add(token)
-        if self.grammar is not None:
-            self.grammar.accept(token)
+        if self.grammar is not None and self.error is None:
+            self.error = self.grammar.accept(token)
 
     def finish(self, reason: str) -> None:
         """Finished ("stop", "length") or aborted ("abort"): the text gets its final form."""

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -34,7 +36,9 @@ if TYPE_CHECKING:
 
     from nanoserve.sequence import Sequence
 
-CACHE_SIZE = 256  # compiled grammars kept, the least recently asked for dropped first
+CACHE_SIZE = 256  # compiled grammars kept, the least recently asked for dropped first,
+CACHE_BYTES = 512 * 2**20  # and at most this many bytes of them (xgrammar's memory_size_bytes)
+SMALL_SPEC_CHARS = 4096  # a spec this short compiles in a lane of its own, never queued behind a large one
 
 
 @dataclass(frozen=True)
@@ -62,17 +66,23 @@ class StructuredOutputsParams:
                     "structured_outputs", self.choice, "a choice given as a list of strs")
             object.__setattr__(self, "choice", tuple(self.choice))
 
-    @property
+    @cached_property
     def key(self) -> str:
         """The spec as one string: the cache's key."""
         spec = json.loads(self.json) if isinstance(self.json, str) else self.json
         return json.dumps([spec, self.regex, self.choice, self.grammar, self.json_object], sort_keys=True)
 
+    @cached_property
+    def parsed(self) -> Any:
+        """The spec as an xgrammar Grammar (`parse_grammar`), parsed once: a server parses it in its tokenizer
+        thread, and the engine's add_request finds it parsed."""
+        return parse_grammar(self)
+
 
 def is_json(text: object) -> bool:
     try:
         return isinstance(text, str) and isinstance(json.loads(text), (dict, bool))
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past Python's recursion limit: no schema
         return False
 
 
@@ -91,8 +101,10 @@ def parse_grammar(spec: StructuredOutputsParams) -> Any:
             return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False)
         if spec.regex is not None:
             return xgr.Grammar.from_regex(spec.regex)
-        if spec.choice is not None:  # a JSON string literal is an EBNF string literal too
-            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+        if spec.choice is not None:  # a JSON string literal is an EBNF string literal too; not ASCII-escaped,
+            # which writes an emoji as a surrogate pair that xgrammar reads as two lone surrogates
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                  for c in spec.choice))
         return xgr.Grammar.from_ebnf(spec.grammar)
     except (RuntimeError, ValueError, TypeError) as error:  # xgrammar raises RuntimeError for a bad spec
         raise InvalidRequest("structured_outputs", f"structured_outputs is not a valid grammar: {error}") from None
@@ -108,7 +120,12 @@ class RequestGrammar:
 
     @property
     def ready(self) -> bool:
-        return self.compiled.done()
+        """Compiled: the request may run. A failed compile is never ready (`fail_grammars` ends its request)."""
+        return self.compiled.done() and failure(self.compiled) is None
+
+    @property
+    def compiling(self) -> bool:
+        return not self.compiled.done()
 
     def start(self) -> Any:
         if self.matcher is None:
@@ -116,9 +133,15 @@ class RequestGrammar:
             self.matcher = xgr.GrammarMatcher(self.compiled.result())
         return self.matcher
 
-    def accept(self, token: int) -> None:
-        accepted = self.start().accept_token(token)
-        assert accepted, f"token {token} is outside the grammar: the mask allowed it"
+    def accept(self, token: int) -> Exception | None:
+        """Advance the matcher by token; None, or the error that fails the request (never the step): the
+        grammar refused a token its mask allowed, or failed."""
+        try:
+            if self.start().accept_token(token):
+                return None
+            return RuntimeError(f"structured_outputs: the grammar refused token {token}, which its mask allowed")
+        except Exception as error:  # a compile that failed (compiled.result() raises), a matcher that fails
+            return error
 
     @property
     def is_terminated(self) -> bool:
@@ -127,61 +150,126 @@ class RequestGrammar:
 
 
 class GrammarCompiler:
-    """An engine's grammars: parsed in add_request, compiled in a background thread, cached by spec."""
+    """An engine's grammars: parsed once (`StructuredOutputsParams.parsed`), compiled in a background thread,
+    cached by spec. Two compile threads: one for small specs (SMALL_SPEC_CHARS), one for the rest, so that a
+    1 ms regex never waits behind a 5,000-string enum. Thread-safe: a server's handlers submit grammars too
+    and wait for the compile (`submit(..., waiting=True)`, then `leave`) before the request reaches the engine,
+    whose add_request then finds it compiled in the cache; a compile that every waiter left before it started
+    is cancelled."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, eos_token_ids: set[int]) -> None:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self.compiler: Any = None  # xgrammar's, made by the pool's first task (reading the vocabulary takes ~0.5 s)
+        self.small_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-small")
+        self.compiler: Any = None  # xgrammar's, made by the first compile (reading the vocabulary takes ~0.5 s)
         self.cache: OrderedDict[str, Future] = OrderedDict()
+        self.waiters: dict[str, int] = {}  # spec key -> requests waiting for its compile (`submit`'s waiting)
+        self.lock = threading.Lock()  # over cache, waiters and compiler: the engine thread and a server's submit
+        self.cache_bytes = CACHE_BYTES
 
     def compile(self, spec: StructuredOutputsParams) -> RequestGrammar:
         """A grammar for one request (its own matcher), compiling in the background unless cached."""
+        return RequestGrammar(self.submit(spec))
+
+    def submit(self, spec: StructuredOutputsParams, waiting: bool = False) -> Future:
+        """The compile of spec: cached, else started now (a failed one is tried again). The spec is parsed
+        here unless it was before; a spec xgrammar rejects is an InvalidRequest naming structured_outputs.
+        `waiting`: a request waits for it until it calls `leave`."""
         if self.tokenizer is None:
             raise InvalidRequest("structured_outputs", "structured_outputs needs the model's tokenizer")
-        key = spec.key
-        if key not in self.cache or self.cache[key].done() and self.cache[key].exception():  # failed: try again
-            self.cache[key] = self.pool.submit(self.compile_now, parse_grammar(spec))
-            while len(self.cache) > CACHE_SIZE:
-                self.cache.popitem(last=False)
-        self.cache.move_to_end(key)
-        return RequestGrammar(self.cache[key])
+        grammar, key = spec.parsed, spec.key
+        with self.lock:
+            future = self.cache.get(key)
+            if future is None or future.done() and failure(future) is not None:
+                pool = self.small_pool if len(key) <= SMALL_SPEC_CHARS else self.pool
+                self.cache[key] = pool.submit(self.compile_now, grammar)
+            self.cache.move_to_end(key)
+            self.evict()  # sizes are known once compiled: each submit evicts for those done since the last
+            if waiting:
+                self.waiters[key] = self.waiters.get(key, 0) + 1
+            return self.cache[key]
+
+    def leave(self, spec: StructuredOutputsParams) -> None:
+        """A request that waited for spec's compile stopped waiting (compiled, past its time budget, or its
+        client left). A compile no request waits for any more and not yet started is cancelled: six clients
+        that sent a huge schema and left kept the compile thread busy for 23 s."""
+        with self.lock:
+            self.waiters[spec.key] -= 1
+            if self.waiters[spec.key] == 0:
+                del self.waiters[spec.key]
+                if spec.key in self.cache and self.cache[spec.key].cancel():  # False once started
+                    del self.cache[spec.key]
+
+    def evict(self) -> None:
+        """Drop the least recently asked for grammars past CACHE_SIZE or past cache_bytes (the compiled ones'
+        sizes: a 5,000-string enum takes ~75 MB). A request holding one keeps it until it ends."""
+        num_bytes = sum(f.result().memory_size_bytes for f in self.cache.values() if f.done() and not failure(f))
+        while len(self.cache) > CACHE_SIZE or num_bytes > self.cache_bytes and len(self.cache) > 1:
+            _, future = self.cache.popitem(last=False)
+            if future.done() and not failure(future):
+                num_bytes -= future.result().memory_size_bytes
 
     def compile_now(self, grammar: Any) -> Any:
-        """In the pool's thread: the grammar's token masks over this vocabulary."""
+        """In the pool's thread: the grammar's token masks over this vocabulary. A grammar that allows no
+        output at all (`root ::= root`: its language is empty) is an InvalidRequest, before any request runs."""
         import xgrammar as xgr
-        if self.compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.eos_token_ids)
-            self.compiler = xgr.GrammarCompiler(info, max_threads=1)  # one core: the engine has the rest
-        return self.compiler.compile_grammar(grammar)
+        with self.lock:  # the first compile of either thread makes it
+            if self.compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.eos_token_ids)
+                # one core each (the engine has the rest); no cache of xgrammar's own, unbounded: this class caches
+                self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        compiled = self.compiler.compile_grammar(grammar)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        if not bitmask.any():
+            raise InvalidRequest("structured_outputs", "structured_outputs allows no output: its language is empty")
+        return compiled
 
 
-def abort_failed_grammars(waiting: Iterable[Sequence], abort: Callable[[str], object]) -> None:
-    """Abort, each alone and logged, the waiting requests whose grammar failed to compile: admitted, their
-    matcher would fail mid-step, and the step with every request in it."""
-    for seq in [seq for seq in waiting if seq.grammar is not None and seq.grammar.ready]:
-        if error := seq.grammar.compiled.exception():
+def failure(future: Future) -> BaseException | None:
+    """A done future's exception: CancelledError if it was cancelled (Future.exception would raise it)."""
+    return CancelledError() if future.cancelled() else future.exception()
+
+
+def fail_grammars(waiting: Iterable[Sequence], fail: Callable[[Sequence, Exception], object]) -> None:
+    """Fail, each alone and logged, the waiting requests whose grammar failed to compile (the scheduler never
+    admits them: `RequestGrammar.ready`)."""
+    for seq in [seq for seq in waiting if seq.grammar is not None and seq.grammar.compiled.done()]:
+        if error := failure(seq.grammar.compiled):
             logging.getLogger(__name__).error(f"grammar of request {seq.request_id!r} failed: {error!r}")
-            abort(seq.request_id)
+            fail(seq, error)
 
 
-def wait_for_grammars(waiting: list[Sequence]) -> bool:
-    """When nothing runs and every waiting request's grammar is compiling, the step has nothing else to do: wait
-    until the first compile ends, but at most 0.1 s, so that a long one never keeps the engine's loop from new
-    requests and aborts. True where they all still compile (the step then schedules nothing)."""
-    compiling = [seq.grammar.compiled for seq in waiting if seq.grammar is not None and not seq.grammar.ready]
-    return bool(waiting) and len(compiling) == len(waiting) and not wait(compiling, 0.1, FIRST_COMPLETED).done
+def wait_for_grammars(waiting: list[Sequence]) -> None:
+    """When every waiting request's grammar is compiling, the step has nothing else to do: wait until the
+    first compile ends, but at most 0.1 s, so that a long one never keeps the engine's loop from new requests
+    and aborts."""
+    compiling = [seq.grammar.compiled for seq in waiting if seq.grammar is not None and seq.grammar.compiling]
+    if waiting and len(compiling) == len(waiting):
+        wait(compiling, 0.1, FIRST_COMPLETED)
+
+
+def grammars_pending(waiting: Iterable[Sequence]) -> bool:
+    """Does a waiting request wait for its grammar (compiling, or failed and failed at the next step)? Then a
+    step that schedules nothing made no progress for that reason alone."""
+    return any(seq.grammar is not None and not seq.grammar.ready for seq in waiting)
 
 
 def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """logits [S, vocab], in place: -inf on each constrained row's tokens that its grammar forbids now.
-    One bitmask for the whole step, [S, ceil(vocab / 32)] int32 (bit t of a row: token t allowed)."""
-    rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+    One bitmask for the whole step, [S, ceil(vocab / 32)] int32 (bit t of a row: token t allowed; all set
+    when made). A grammar that fails here fails its request alone (seq.error); its row is left unmasked."""
+    rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None and seq.error is None]
     if not rows:
         return
     import xgrammar as xgr
     bitmask = xgr.allocate_token_bitmask(len(seqs), logits.shape[1])
     for row in rows:
-        seqs[row].grammar.start().fill_next_token_bitmask(bitmask, row)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+        try:
+            seqs[row].grammar.start().fill_next_token_bitmask(bitmask, row)
+        except Exception as error:  # this request's grammar: its failure, not the step's
+            seqs[row].error = error
+    rows = [row for row in rows if seqs[row].error is None]
+    if rows:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)

@@ -209,3 +209,78 @@ def test_fair_queue_takes_turns_across_streams_and_removes_any_request():
         assert len(pending) == 0 and not pending.streams
         return taken
     assert asyncio.run(run()) == ["a0", "b0", "a2", "b1", "a3"]
+
+
+def test_metrics_count_every_finish_once_whoever_made_it_and_forget_its_id():
+    """A request the engine aborted itself, one that failed alone (its grammar), one the loop aborted, one that
+    ran to its end: each counted once by its finish reason, and no id left in Metrics' per-request maps.
+    Catches: the engine loop skipping every "abort" output (it assumed the loop had made them all): the engine's
+    own aborts never counted, their ids kept for good; a failed request answered with its output."""
+    from nanoserve.entrypoints.openai.metrics import Metrics
+    from nanoserve.structured_outputs import StructuredOutputsParams
+    engine = new_engine()
+    metrics = Metrics("m", engine.model_runner.num_blocks - 1)
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    step, num_steps = engine.step, iter(range(10**6))
+
+    def step_aborting_victim():  # the engine's own abort, as a policy of its own would make it
+        if next(num_steps) == 3 and "victim" in engine.requests:
+            engine.abort_request("victim")
+        return step()
+    engine.step = step_aborting_victim
+    dead_end = StructuredOutputsParams(grammar='root ::= "a" x\nx ::= x')
+
+    async def drain(llm: AsyncLLM, request_id: str, params: SamplingParams, abort_after: int | None = None) -> object:
+        """Its finish reason, or the ValueError it raised; aborted by the loop after `abort_after` deltas."""
+        try:
+            async for result in llm.generate(prompt, params, request_id):
+                if isinstance(result, RequestOutput):
+                    return result.finish_reason
+                if abort_after is not None:
+                    abort_after -= 1
+                    if abort_after == 0:
+                        llm.abort(request_id)
+        except ValueError as error:
+            return error
+
+    async def run():
+        async with AsyncLLM(engine, metrics) as llm:
+            return await asyncio.wait_for(asyncio.gather(
+                drain(llm, "victim", LONG),
+                drain(llm, "failing", SamplingParams(max_tokens=8, structured_outputs=dead_end)),
+                drain(llm, "aborted", LONG, abort_after=2),
+                drain(llm, "done", SamplingParams(temperature=0, max_tokens=4))), timeout=60)
+    victim, failing, aborted, done = asyncio.run(run())
+    assert (victim, aborted, done) == ("abort", "abort", "length")
+    assert isinstance(failing, ValueError) and "allows no token" in str(failing)
+    counts = {reason: metrics.success.labels("m", reason)._value.get() for reason in ("abort", "error", "length")}
+    assert counts == {"abort": 2, "error": 1, "length": 1}
+    assert not metrics.unscheduled and not metrics.no_token_yet and not metrics.last_token_time
+
+
+def test_turns_are_per_client_and_one_client_holds_at_most_its_share_of_the_engine():
+    """Catches: turns per stream (a client with many streams, here 10, puts all of them before another
+    client's first request), and no bound on one client's engine slots (it takes all max_num_seqs, so another
+    client's first token waits for one of its requests to end)."""
+    from nanoserve.entrypoints.async_llm import EngineLoop
+    engine = LLMEngine(Config.from_kwargs(nanoserve.DEFAULT_MODEL, **{**ENGINE, "max_num_seqs": 8}))
+    loop = EngineLoop(engine, StatLogger())
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+
+    async def reply_queues():
+        return [ReplyQueue() for _ in range(12)]
+    queues = asyncio.run(reply_queues())
+    for stream in range(10):  # client A: 10 streams of 2
+        for i in range(2):
+            loop.pending.add(Submit(f"a{stream}-{i}", prompt, LONG, 0.0, queues[stream], client="A"))
+    loop.admit()
+    assert len(engine.requests) == 7  # 8 - 8 // 8: one slot left for the others
+    loop.pending.add(Submit("b", prompt, LONG, 0.0, queues[10], client="B"))
+    loop.pending.add(Submit("c", prompt, LONG, 0.0, queues[11]))  # no client: its stream's own turn
+    loop.admit()
+    assert "b" in engine.requests and sum(r.startswith("a") for r in engine.requests) == 7
+    engine.discard(list(engine.requests))
+    loop.num_in_engine.clear()
+    loop.client_of.clear()
+    loop.admit()  # A up to its share, then c
+    assert sorted(engine.requests) == ["a3-1", "a4-0", "a4-1", "a5-0", "a5-1", "a6-0", "a6-1", "c"]

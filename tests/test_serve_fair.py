@@ -121,3 +121,30 @@ def test_a_client_that_does_not_read_holds_no_slots_once_the_engine_is_done(mode
         for sock in sockets:  # else stop() waits for them
             sock.close()
         server.stop()
+
+
+def test_each_client_holds_at_most_its_share_of_the_in_flight_slots(model_path):  # noqa: F811
+    """Catches: one bound for all clients (one client's 1,024 in flight gave everyone else 429 for 18 s), the
+    client taken from the wrong place (user, else the API key, else the peer address), slots not given back."""
+    from nanoserve.entrypoints.openai.protocol import CompletionBody
+    from nanoserve.entrypoints.openai.serving_engine import client_key
+    default = start_server(model_path, limits=Limits(max_num_queued_requests=16))
+    default.stop()
+    assert default.serving.max_in_flight_per_client == 14  # 7/8
+    server = start_server(model_path, limits=Limits(max_num_queued_requests=6, max_num_queued_requests_per_client=3))
+    try:
+        serving = server.serving
+        hostile = client_key(CompletionBody(prompt="a", user="mallory"), {"authorization": "Bearer k1"}, "10.0.0.1")
+        keyed = client_key(CompletionBody(prompt="a"), {"authorization": "Bearer k1"}, "10.0.0.1")
+        peer = client_key(CompletionBody(prompt="a"), {}, "10.0.0.1")
+        assert len({hostile, keyed, peer}) == 3 and "k1" not in keyed
+        assert keyed == client_key(CompletionBody(prompt="b"), {"authorization": "bearer k1"}, "10.0.0.2")
+        serving.admit(3, hostile)  # as three long streams of mallory's would
+        reply = post(server, "/v1/completions", dict(prompt="Hi", max_tokens=1, user="mallory"))
+        assert reply.status_code == 429 and "this client" in reply.json()["error"]["message"]
+        assert post(server, "/v1/completions", dict(prompt="Hi", max_tokens=1, user="alice")).status_code == 200
+        serving.release(hostile, 3)
+        assert post(server, "/v1/completions", dict(prompt="Hi", max_tokens=1, user="mallory")).status_code == 200
+        assert wait_until(lambda: serving.num_in_flight == 0 and not serving.in_flight_by_client)
+    finally:
+        server.stop()

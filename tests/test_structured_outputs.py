@@ -13,7 +13,7 @@ from nanoserve import DEFAULT_MODEL, LLM, SamplingParams
 from nanoserve.config import Config
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
-from nanoserve.structured_outputs import RequestGrammar, StructuredOutputsParams
+from nanoserve.structured_outputs import GrammarCompiler, RequestGrammar, StructuredOutputsParams
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "minLength": 2, "maxLength": 12},
@@ -145,10 +145,10 @@ def test_a_request_whose_grammar_compiles_waits_without_holding_up_the_others():
     assert [seq.request_id for seq, _ in scheduler.schedule()] == ["second", "first"]
 
 
-def test_a_long_compile_leaves_the_engine_loop_free_and_a_failed_one_aborts_its_request_alone(monkeypatch, caplog):
+def test_a_long_compile_leaves_the_engine_loop_free_and_a_failed_one_fails_its_request_alone(monkeypatch, caplog):
     """A compile still running after a step's short wait leaves that step empty (no error: the engine's loop
     goes back to its new requests and aborts), and the request runs once it is done. A compile that fails
-    aborts its own request, logged; the request beside it finishes, and the next request with that spec
+    fails its own request ("error"), logged; the request beside it finishes, and the next request with that spec
     compiles again. Catches: step() blocking for a whole compile, raising 'no progress', a failed grammar
     failing the step and every request in it, a failed compile kept in the cache."""
     llm = LLM(DEFAULT_MODEL, block_size=16)
@@ -172,7 +172,7 @@ def test_a_long_compile_leaves_the_engine_loop_free_and_a_failed_one_aborts_its_
     beside = engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=5))
     with caplog.at_level(logging.ERROR):
         finished = {o.request_id: o.outputs[0] for o in run_to_end(engine)}
-    assert finished[failing].finish_reason == "abort" and len(finished[beside].token_ids) == 5
+    assert finished[failing].finish_reason == "error" and len(finished[beside].token_ids) == 5
     assert "RuntimeError('planted: the compile failed')" in caplog.text
     again = engine.add_request(PROMPTS[1], constrained(regex="[0-9]{3}"))
     assert re.fullmatch("[0-9]{3}", {o.request_id: o.outputs[0] for o in run_to_end(engine)}[again].text)
@@ -185,3 +185,42 @@ def run_to_end(engine) -> list:
         outputs += engine.step().outputs
         engine.assert_invariants()
     return outputs + engine.step().outputs  # aborted requests are reported by the step after their abort
+
+
+def test_a_small_grammar_never_waits_behind_a_large_one_and_a_left_compile_is_cancelled(austen, monkeypatch):
+    """Catches: one compile thread, first come first served (a 1 ms regex waited 23 s behind abandoned huge
+    enums), and a queued compile whose waiters all left still run (and cached)."""
+    grammars, release, calls = austen.engine.grammars, threading.Event(), []
+    compile_now = grammars.compile_now
+
+    def planted(grammar):
+        calls.append(grammar)
+        if len(calls) == 1:
+            release.wait(timeout=30)  # the first large compile holds its thread until the test is done
+        return compile_now(grammar)
+    monkeypatch.setattr(grammars, "compile_now", planted)
+    large = [StructuredOutputsParams(choice=[f"{i}-{'x' * 5000}", "y"]) for i in range(2)]
+    running = grammars.submit(large[0], waiting=True)
+    queued = grammars.submit(large[1], waiting=True)
+    small = grammars.submit(StructuredOutputsParams(regex="[a-z]{2}"), waiting=False)
+    try:
+        small.result(timeout=10)  # not behind the large compile that holds its thread
+        grammars.leave(large[1])  # its only waiter left before it started
+        assert queued.cancelled() and large[1].key not in grammars.cache
+    finally:
+        release.set()
+    grammars.leave(large[0])
+    running.result(timeout=30)
+    assert len(calls) == 2 and not grammars.waiters  # the cancelled one never compiled
+
+
+def test_the_grammar_cache_is_bounded_by_bytes(austen):
+    """Catches: a cache bounded by count alone (256 compiled 5,000-string enums: ~19 GB)."""
+    engine = austen.engine
+    grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size, {2})
+    specs = [StructuredOutputsParams(regex=f"[a-z]{{{n}}}") for n in (200, 201, 202)]
+    sizes = [grammars.submit(spec).result(timeout=30).memory_size_bytes for spec in specs[:2]]
+    grammars.cache_bytes = sum(sizes) + 1  # room for the two, not for a third
+    grammars.submit(specs[2]).result(timeout=30)
+    grammars.submit(specs[2])  # evicts once the third's size is known
+    assert list(grammars.cache) == [specs[1].key, specs[2].key]

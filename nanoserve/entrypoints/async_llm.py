@@ -16,10 +16,12 @@ Every other thread talks to it through its `inbox`, a queue.Queue and the only w
     RequestStream <-- ReplyQueue (asyncio.Queue, written with call_soon_threadsafe) <--+
 
 Between two steps the loop takes every message in the inbox, hands the engine the submitted requests
-its next step could run (`admit`: round-robin across streams, so that one stream's 128,000 requests
-do not delay another stream's first token), then steps the engine and sends each request's results
-to the ReplyQueue it came with: `Accepted` or `Failed` first, then its RequestDeltas, then its
-RequestOutput. Every submitted request gets exactly one final reply, its RequestOutput or a Failed,
+its next step could run (`admit`: round-robin across clients, or streams where no client is given, so
+that one client's 128,000 requests do not delay another's first token; and no client holds more than 7/8
+of the engine's `max_num_seqs`, so another's first request always finds room), then steps the engine and
+sends each request's results to the ReplyQueue it came with: `Accepted` or `Failed` first, then its
+RequestDeltas, then its RequestOutput (a Failed instead when it failed alone: finish_reason "error", a
+grammar with no valid output). Every submitted request gets exactly one final reply, its RequestOutput or a Failed,
 unless the loop is stopped first. Idle, it blocks on the inbox. A stream closed before its requests
 finish (its reader left: a client disconnected, a task was cancelled) sends an Abort, so their KV
 blocks are free before the next step. A step that raises fails the requests it ran
@@ -39,7 +41,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass
 
 from nanoserve.engine import LLMEngine
@@ -108,6 +111,12 @@ class Submit:
     params: SamplingParams
     arrival_time: float        # time.perf_counter() when it arrived (an HTTP request's arrival): TTFT counts from it
     replies: ReplyQueue
+    client: Hashable | None = None  # who sent it (a server's client key): turns and engine shares are per client
+
+    @property
+    def turn(self) -> Hashable:
+        """Whose turn it takes in the FairQueue: its client's, else its stream's."""
+        return self.replies if self.client is None else self.client
 
 
 @dataclass
@@ -128,7 +137,8 @@ class Accepted:
 
 @dataclass
 class Failed:
-    """Reply: the request failed: add_request's ValueError, an EngineGenerateError or an EngineDeadError."""
+    """Reply: the request failed: add_request's ValueError, the ValueError or EngineGenerateError of a request
+    that failed alone in a step (its grammar), an EngineGenerateError or an EngineDeadError."""
     request_id: str
     error: Exception
 
@@ -148,6 +158,11 @@ class EngineLoop:
         self.replies: dict[str, ReplyQueue] = {}  # unfinished engine requests -> where their results go
         self.pending = FairQueue()                 # submitted, not yet handed to the engine
         self.max_num_seqs = engine.config.max_num_seqs
+        # The most engine slots (running or waiting) one client (Submit.client) may hold: the rest stay free for
+        # the others' first tokens, whatever one client holds. A stream without a client has no such bound.
+        self.max_client_share = self.max_num_seqs - self.max_num_seqs // 8
+        self.client_of: dict[str, Hashable] = {}   # engine requests with a client -> it
+        self.num_in_engine: Counter[Hashable] = Counter()  # per client, its requests in the engine
         self.error: BaseException | None = None    # why the loop died, if it did
         self.thread = threading.Thread(target=self.run, name="nanoserve-engine", daemon=True)
 
@@ -188,7 +203,13 @@ class EngineLoop:
         not in the engine's first-come-first-served queue."""
         stats = self.engine.stats()
         room = self.max_num_seqs - stats["num_running"] - stats["num_waiting"]
-        while room > 0 and len(self.pending) > 0:
+        num_passed = 0  # clients in a row that passed their turn, holding their share
+        while room > 0 and len(self.pending) > 0 and num_passed < len(self.pending.streams):
+            if self.num_in_engine[self.pending.next_client()] >= self.max_client_share:
+                self.pending.pass_turn()
+                num_passed += 1
+                continue
+            num_passed = 0
             if self.add(self.pending.pop_next()):
                 room -= 1
 
@@ -206,6 +227,9 @@ class EngineLoop:
                                                                       f"{error!r}")))
             return False
         self.replies[request_id] = submit.replies
+        if submit.client is not None:
+            self.client_of[request_id] = submit.client
+            self.num_in_engine[submit.client] += 1
         self.stat_logger.record_added(request_id, len(submit.token_ids), submit.arrival_time)
         submit.replies.put(Accepted(request_id))
         return True
@@ -221,7 +245,7 @@ class EngineLoop:
             output = self.engine.abort_request(request_id)
             self.stat_logger.record_finished(output)
             self.send(request_id, output)
-        self.replies.pop(request_id, None)  # the next step reports its output again: not sent twice
+        self.forget(request_id)  # the next step reports its output again: not sent twice
 
     def never_run(self, submit: Submit) -> RequestOutput:
         """The output of a request aborted before the engine took it: no tokens, finish_reason "abort"."""
@@ -248,26 +272,43 @@ class EngineLoop:
         for delta in result.deltas:
             self.send(delta.request_id, delta)
         for output in result.outputs:
-            if output.finish_reason != "abort":  # an abort was recorded when this loop made it
+            if output.request_id in self.replies:  # an abort this loop made was recorded then (and left replies)
                 self.stat_logger.record_finished(output)
-            self.send(output.request_id, output)
-            self.replies.pop(output.request_id, None)
+            self.send(output.request_id, output if output.error is None else Failed(output.request_id,
+                                                                                  request_error(output.error)))
+            self.forget(output.request_id)
         self.stat_logger.record_engine(self.stats())
+
+    def forget(self, request_id: str) -> None:
+        """A request's final reply is sent: it has no more replies, nor a slot of its client's share."""
+        self.replies.pop(request_id, None)
+        if (client := self.client_of.pop(request_id, None)) is not None:
+            self.num_in_engine[client] -= 1
+            if self.num_in_engine[client] == 0:
+                del self.num_in_engine[client]
 
     def send(self, request_id: str, reply: Reply) -> None:
         if request_id in self.replies:
             self.replies[request_id].put(reply)
 
     def fail_all(self, error: Exception) -> None:
-        for request_id, replies in self.replies.items():
+        for request_id, replies in list(self.replies.items()):
             replies.put(Failed(request_id, error))
-        self.replies.clear()
+            self.forget(request_id)
 
     def refuse_until_stopped(self) -> None:
         """After the loop died: refuse what still comes (a caller may have raced the death), until Stop."""
         while not isinstance(message := self.inbox.get(), Stop):
             if isinstance(message, Submit):
                 message.replies.put(Failed(message.request_id, EngineDeadError("the engine loop has died")))
+
+
+def request_error(error: Exception) -> Exception:
+    """What a request that failed alone in the engine (finish_reason "error") raises for its reader: its
+    input's fault (an InvalidRequest naming the field), else an EngineGenerateError."""
+    if isinstance(error, ValueError):
+        return error
+    return EngineGenerateError(f"the request failed: {error!r}")
 
 
 # --- The caller's side ---------------------------------------------------------------------------
@@ -277,8 +318,9 @@ class RequestStream:
     server's n choices of one HTTP request share one). Made on the event loop that reads it.
     `close()`, however the reader ends, aborts the requests not finished. `on_finished`: see ReplyQueue."""
 
-    def __init__(self, inbox: queue.Queue[Message], on_finished: Callable[[str], None] | None = None) -> None:
-        self.inbox, self.replies = inbox, ReplyQueue(on_finished)
+    def __init__(self, inbox: queue.Queue[Message], on_finished: Callable[[str], None] | None = None,
+                 client: Hashable | None = None) -> None:
+        self.inbox, self.replies, self.client = inbox, ReplyQueue(on_finished), client
         self.unfinished: set[str] = set()
         self.early: list[Reply] = []  # results that came in while submit awaited another's Accepted
 
@@ -291,7 +333,7 @@ class RequestStream:
         arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         for request_id, token_ids, params in requests:
             self.unfinished.add(request_id)
-            self.inbox.put(Submit(request_id, token_ids, params, arrival_time, self.replies))
+            self.inbox.put(Submit(request_id, token_ids, params, arrival_time, self.replies, self.client))
         not_taken = {request_id for request_id, _, _ in requests}
         while not_taken:
             reply = await self.replies.get()
@@ -347,11 +389,12 @@ class AsyncLLM:
     async def __aexit__(self, *exc_info: object) -> None:
         self.shutdown()
 
-    def stream(self, on_finished: Callable[[str], None] | None = None) -> RequestStream:
+    def stream(self, on_finished: Callable[[str], None] | None = None, client: Hashable | None = None) -> RequestStream:
         """An empty stream to submit requests to and read them back from together (generate uses one per
         request; the server one per HTTP request, which is also its turn in the engine loop's FairQueue).
-        on_finished(request_id), on this event loop, as each request's final reply arrives, read or not."""
-        return RequestStream(self.engine_loop.inbox, on_finished)
+        on_finished(request_id), on this event loop, as each request's final reply arrives, read or not. `client`
+        (any hashable: a server's client key): streams of one client share its turns and its engine share."""
+        return RequestStream(self.engine_loop.inbox, on_finished, client)
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str,
                        arrival_time: float | None = None) -> AsyncIterator[RequestDelta | RequestOutput]:

@@ -1,5 +1,7 @@
 """The requests an AsyncLLM has been given but not yet handed to the engine, taken in turns across
-streams (async_llm.py: the engine loop hands the engine only what its next step could run).
+clients (async_llm.py: the engine loop hands the engine only what its next step could run). A client is
+what `Submit.turn` says: the server's client key (the body's `user`, else the API key, else the peer
+address), else the request's stream.
 
 Invariant: a request id is in `stream_of` iff it is in exactly one of `streams`' FIFOs, and no FIFO in
 `streams` is empty.
@@ -7,22 +9,23 @@ Invariant: a request id is in `stream_of` iff it is in exactly one of `streams`'
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # types only: async_llm.py imports this module
-    from nanoserve.entrypoints.async_llm import ReplyQueue, Submit
+    from nanoserve.entrypoints.async_llm import Submit
 
 
 class FairQueue:
-    """Requests submitted but not yet handed to the engine: one FIFO per stream (a server's HTTP
-    request), taken round-robin across streams. The engine's own waiting queue is first come, first
+    """Requests submitted but not yet handed to the engine: one FIFO per client (`Submit.turn`), taken
+    round-robin across clients. The engine's own waiting queue is first come, first
     served, so handing it a 1,000 x n=128 fan-out at once would put 128,000 requests before the next
     client's one; taking turns, that client waits for one request of each other stream at most.
     Every operation is O(1) (ordered dicts), so a storm of aborts costs microseconds each."""
 
     def __init__(self) -> None:
-        self.streams: OrderedDict[ReplyQueue, OrderedDict[str, Submit]] = OrderedDict()  # in turn order
-        self.stream_of: dict[str, ReplyQueue] = {}  # request id -> its stream (its ReplyQueue)
+        self.streams: OrderedDict[Hashable, OrderedDict[str, Submit]] = OrderedDict()  # per client, in turn order
+        self.stream_of: dict[str, Hashable] = {}  # request id -> its client
 
     def __len__(self) -> int:
         return len(self.stream_of)
@@ -31,27 +34,34 @@ class FairQueue:
         return request_id in self.stream_of
 
     def add(self, submit: Submit) -> None:
-        """A stream new to the queue takes its turn after the streams already there."""
-        self.streams.setdefault(submit.replies, OrderedDict())[submit.request_id] = submit
-        self.stream_of[submit.request_id] = submit.replies
+        """A client new to the queue takes its turn after the clients already there."""
+        self.streams.setdefault(submit.turn, OrderedDict())[submit.request_id] = submit
+        self.stream_of[submit.request_id] = submit.turn
 
     def remove(self, request_id: str) -> Submit:
-        replies = self.stream_of.pop(request_id)
-        requests = self.streams[replies]
+        client = self.stream_of.pop(request_id)
+        requests = self.streams[client]
         submit = requests.pop(request_id)
         if not requests:
-            del self.streams[replies]
+            del self.streams[client]
         return submit
 
+    def next_client(self) -> Hashable:
+        return next(iter(self.streams))
+
+    def pass_turn(self) -> None:
+        """The client whose turn it is lets the others go first (it holds its share of the engine)."""
+        self.streams.move_to_end(self.next_client())
+
     def pop_next(self) -> Submit:
-        """The oldest request of the stream whose turn it is; that stream's next turn comes after every other's."""
-        replies, requests = next(iter(self.streams.items()))
+        """The oldest request of the client whose turn it is; that client's next turn comes after every other's."""
+        client, requests = next(iter(self.streams.items()))
         _, submit = requests.popitem(last=False)
         del self.stream_of[submit.request_id]
         if requests:
-            self.streams.move_to_end(replies)
+            self.streams.move_to_end(client)
         else:
-            del self.streams[replies]
+            del self.streams[client]
         return submit
 
     def take_all(self) -> list[Submit]:

@@ -40,7 +40,8 @@ class LLM:
         requests (SamplingParams.for_sample), whose completions come back in one output's `outputs`.
         A request aborted meanwhile (through llm.engine, between steps) comes back with finish_reason
         "abort". If anything fails, its requests are aborted before the error propagates: the engine
-        is left idle."""
+        is left idle. A request that failed alone (finish_reason "error": a grammar with no valid output)
+        raises its error, a ValueError naming the field where its input caused it."""
         prompts = as_prompt_list(prompts)
         if self.engine.has_unfinished_requests():
             raise ValueError("LLM.generate needs an idle engine: requests added to llm.engine are "
@@ -95,6 +96,8 @@ class LLM:
             bar.set_postfix(prefill=f"{num_prefill / seconds:.0f} tok/s",
                             decode=f"{num_decode / seconds:.0f} tok/s", refresh=False)
             outputs.update((o.request_id, o) for o in result.outputs)
+            if failed := next((o for o in result.outputs if o.error is not None), None):
+                raise failed.error
             bar.update(len(outputs) - bar.n)
         bar.close()
         return outputs

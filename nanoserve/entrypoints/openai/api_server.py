@@ -300,6 +300,9 @@ def build_parser(prog: str) -> OneLineParser:
                         help="completions (prompts x n) in flight at once, counted from arrival until the engine "
                              "finishes them: tokenizing, waiting and running, not only queued; more get 429 "
                              "(default: 4 x --max-num-seqs)")
+    parser.add_argument("--max-num-queued-requests-per-client", type=positive(int), default=None,
+                        help="of those, what one client (the body's user, else its API key, else its address) may "
+                             "hold; more get 429 (default: 7/8 of --max-num-queued-requests)")
     parser.add_argument("--max-completions-per-request", type=positive(int),
                         default=Limits.max_completions_per_request,
                         help="completions (prompts x n) one request may ask for; more get 400")
@@ -308,6 +311,13 @@ def build_parser(prog: str) -> OneLineParser:
     parser.add_argument("--max-request-body-bytes", type=positive(int), default=Limits.max_body_bytes)
     parser.add_argument("--header-timeout", type=positive(float), default=HEADER_TIMEOUT,
                         help="seconds a connection may take to send a request's head")
+    parser.add_argument("--max-grammar-bytes", type=positive(int), default=Limits.max_grammar_bytes,
+                        help="bytes of one request's schema, regex, grammar or choices (structured outputs)")
+    parser.add_argument("--max-grammar-depth", type=positive(int), default=Limits.max_grammar_depth,
+                        help="nesting of a schema, and of brackets in a regex, grammar or pattern")
+    parser.add_argument("--max-grammar-compile-seconds", type=positive(float),
+                        default=Limits.max_grammar_compile_seconds,
+                        help="seconds a request waits for its grammar to compile before a 400")
     add_engine_arguments(parser)
     return parser
 
@@ -331,7 +341,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.serve")
     except (ValueError, OSError) as error:
         parser.error(str(error))
     limits = Limits(max_body_bytes=args.max_request_body_bytes, max_num_queued_requests=args.max_num_queued_requests,
-                    max_completions_per_request=args.max_completions_per_request, write_timeout=args.write_timeout)
+                    max_num_queued_requests_per_client=args.max_num_queued_requests_per_client,
+                    max_completions_per_request=args.max_completions_per_request, write_timeout=args.write_timeout,
+                    max_grammar_bytes=args.max_grammar_bytes, max_grammar_depth=args.max_grammar_depth,
+                    max_grammar_compile_seconds=args.max_grammar_compile_seconds)
     name = args.served_model_name or args.model
     server = uvicorn_server(build_app(engine, name, args.api_key, limits), args.host, args.port, args.header_timeout,
                             log_level="info")

@@ -33,6 +33,9 @@ class Limits:
     # Completions (prompts x n) in flight: tokenizing, waiting or running in the engine, not only queued; more: 429.
     # None: 4 x the engine's max_num_seqs (Serving.max_in_flight), a running batch and three more waiting.
     max_num_queued_requests: int | None = None
+    # Of those, what one client (the body's `user`, else its API key, else its address) may hold; more: 429.
+    # None: 7/8 of max_num_queued_requests, so that one client cannot make 429s for the others.
+    max_num_queued_requests_per_client: int | None = None
     max_n: int = 128                               # completions of one prompt (n): OpenAI's limit
     # Bytes of text in one request's prompts or messages together (at least what one prompt may hold),
     # and token ids in one /detokenize (at least max_model_len): a bound on one request's tokenizer time.
@@ -43,6 +46,12 @@ class Limits:
     # Seconds a stream may wait for its client to take a chunk (the socket's buffers full) before its
     # connection is closed: a client that stops reading holds no more than this.
     write_timeout: float = 30.0
+    # Structured outputs (response_format, structured_outputs), checked before xgrammar sees them: bytes of
+    # the schema, regex, grammar or choices; nesting of the schema and of brackets in patterns, regexes and
+    # grammars; seconds a request waits for its grammar's compile (past it, a 400).
+    max_grammar_bytes: int = 64 * 1024
+    max_grammar_depth: int = 64
+    max_grammar_compile_seconds: float = 10.0
 
 
 # --- Errors -------------------------------------------------------------------------------------
@@ -128,7 +137,7 @@ class SamplingBody(Strict):
     ignore_eos: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None  # OpenAI's end-user id: accepted, unused
+    user: str | None = None  # OpenAI's end-user id: the client whose turns and share a request takes
     n: int | None = None     # completions of each prompt
     frequency_penalty: float | None = None
     presence_penalty: float | None = None

@@ -16,6 +16,9 @@ API's JSON.
 from __future__ import annotations
 
 import asyncio
+import collections
+import hashlib
+import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -23,10 +26,11 @@ from typing import TypeVar
 
 from nanoserve import LLMEngine, RequestDelta, RequestOutput, SamplingParams
 from nanoserve.entrypoints.async_llm import AsyncLLM
+from nanoserve.entrypoints.openai.grammar_bounds import check_bounds
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.protocol import APIError, Limits, SamplingBody, given, shorten
 from nanoserve.sampler import InvalidRequest, Logprob
-from nanoserve.structured_outputs import StructuredOutputsParams, parse_grammar
+from nanoserve.structured_outputs import StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -155,20 +159,35 @@ def sampling_params(body: SamplingBody, api: API, max_tokens: int | None, limits
                               repetition_penalty=given(body.repetition_penalty, 1.0), min_p=given(body.min_p, 0.0),
                               logit_bias=logit_bias(body.logit_bias), min_tokens=min_tokens,
                               include_stop_str_in_output=bool(body.include_stop_str_in_output),
-                              structured_outputs=structured_outputs(body))
+                              structured_outputs=structured_outputs(body, limits))
     except InvalidRequest as error:
         raise APIError(str(error), param=grammar_field(body) if error.param == "structured_outputs" else error.param) \
             from None
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's logit_bias, {"token id": bias}, as SamplingParams takes it; biases clamped to [-100, 100] as
-    vLLM does. Ids past the vocabulary are refused by add_request."""
+    """OpenAI's logit_bias, {"token id": bias}, as SamplingParams takes it: ids in ASCII decimal ("²" and "٣" are
+    digits to str.isdigit, not to OpenAI), at most 10 digits (int() of 5,000 digits raises), biases finite and
+    clamped to [-100, 100] as vLLM does. Ids past the vocabulary are refused by add_request."""
     if not bias:
         return None
-    if bad := [key for key in bias if not key.isdigit()]:
-        raise APIError(f"logit_bias keys must be token ids, got {shorten(repr(bad[:5]))}", param="logit_bias")
+    if bad := [key for key in bias if not (key.isascii() and key.isdigit() and len(key) <= 10)]:
+        raise APIError(f"logit_bias keys must be token ids in decimal, got {shorten(repr(bad[:5]))}",
+                       param="logit_bias")
+    if bad := [value for value in bias.values() if not math.isfinite(value)]:
+        raise APIError(f"logit_bias values must be finite numbers, got {bad[:5]}", param="logit_bias")
     return {int(key): min(100.0, max(-100.0, value)) for key, value in bias.items()}
+
+
+def client_key(body: SamplingBody, headers: dict[str, str], peer: str | None) -> str:
+    """Who sent a request, for fair turns and per-client bounds: the body's `user` (OpenAI's end-user id), else
+    the API key (as a hash: it is never kept), else the peer's address."""
+    if body.user:
+        return "user:" + body.user
+    scheme, _, key = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and key.strip():
+        return "key:" + hashlib.sha256(key.strip().encode()).hexdigest()[:16]
+    return f"peer:{peer}"
 
 
 def grammar_field(body: SamplingBody) -> str:
@@ -176,28 +195,27 @@ def grammar_field(body: SamplingBody) -> str:
     return "structured_outputs" if body.structured_outputs is not None else "response_format"
 
 
-def structured_outputs(body: SamplingBody) -> StructuredOutputsParams | None:
-    """vLLM's structured_outputs extra, else OpenAI's response_format (json_object or json_schema), else None."""
-    if body.structured_outputs is not None:
-        return StructuredOutputsParams(**body.structured_outputs.model_dump(by_alias=True, exclude_none=True))
+def structured_outputs(body: SamplingBody, limits: Limits) -> StructuredOutputsParams | None:
+    """vLLM's structured_outputs extra, or OpenAI's response_format (json_object or json_schema), or None; both
+    is a 400 (one kind of structured output per request, as vLLM). A spec past the limits is a 400 before
+    anything parses it (check_bounds)."""
     response_format = body.response_format
-    if response_format is None or response_format.type == "text":
+    if response_format is not None and response_format.type == "text":
+        response_format = None
+    if body.structured_outputs is not None and response_format is not None:
+        raise APIError("give one of response_format and structured_outputs, not both", param="structured_outputs")
+    if body.structured_outputs is not None:
+        spec = body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+    elif response_format is None:
         return None
-    if response_format.type == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+    elif response_format.type == "json_object":
+        spec = dict(json_object=True)
+    elif response_format.json_schema is None or response_format.json_schema.schema_ is None:
         raise APIError("response_format of type json_schema needs json_schema.schema", param="response_format")
-    return StructuredOutputsParams(json=response_format.json_schema.schema_)
-
-
-def check_grammar(params: SamplingParams, field: str) -> None:
-    """In the tokenizer thread, before the request is submitted: a grammar xgrammar rejects is a 400 naming
-    `field` (and the engine thread never waits for xgrammar's first import)."""
-    if params.structured_outputs is not None:
-        try:
-            parse_grammar(params.structured_outputs)
-        except InvalidRequest as error:
-            raise APIError(f"{field}: {error}", param=field) from None
+    else:
+        spec = dict(json=response_format.json_schema.schema_)
+    check_bounds(spec, limits.max_grammar_bytes, limits.max_grammar_depth)
+    return StructuredOutputsParams(**spec)
 
 
 class Serving:
@@ -208,6 +226,7 @@ class Serving:
         self.model_name, self.limits = model_name, limits
         self.model_path, self.max_model_len = engine.config.model, engine.max_model_len
         self.tokenizer = engine.tokenizer
+        self.grammars = engine.grammars  # thread-safe: handlers compile a request's grammar before submitting it
         self.metrics = Metrics(model_name, num_usable_blocks=engine.model_runner.num_blocks - 1)  # block 0: unused
         self.async_llm = AsyncLLM(engine, self.metrics)
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer")
@@ -217,6 +236,10 @@ class Serving:
         # their bound: what --max-num-queued-requests says, by default what the engine runs at once x 4.
         self.num_in_flight = 0
         self.max_in_flight = limits.max_num_queued_requests or 4 * engine.config.max_num_seqs
+        # and per client (`client_key`): what each holds, and its bound
+        self.in_flight_by_client: collections.Counter[str] = collections.Counter()
+        self.max_in_flight_per_client = (limits.max_num_queued_requests_per_client
+                                         or self.max_in_flight - self.max_in_flight // 8)
         # A token covers at most this many bytes of text: a text longer than max_model_len of them
         # cannot fit, and is refused untokenized. (A token's vocabulary entry has at least the bytes of
         # the text it covers, at most half more after Unicode normalization: x2 for safety.)
@@ -241,10 +264,10 @@ class Serving:
             raise APIError(f"model {shorten(repr(name))} does not exist; this server serves {self.model_name!r}",
                            param="model", status=404, code="model_not_found")
 
-    def admit(self, num_choices: int) -> None:
-        """Take a slot of max_in_flight per choice (prompts x n) or refuse at once (429), before any
-        tokenizing: a burst costs no more than reading its bodies. A request past either bound on its
-        own could never be served: 400."""
+    def admit(self, num_choices: int, client: str = "") -> None:
+        """Take a slot of max_in_flight per choice (prompts x n), and of the client's own bound, or refuse at
+        once (429), before any tokenizing: a burst costs no more than reading its bodies. A request past either
+        bound on its own could never be served: 400."""
         if self.async_llm.error is not None:
             raise APIError("the engine loop has died; the server cannot serve", status=503)
         per_request, limit = self.limits.max_completions_per_request, self.max_in_flight
@@ -258,7 +281,22 @@ class Serving:
             self.metrics.rejected.inc()
             raise APIError(f"the server is busy: {self.num_in_flight} completions in flight, at most {limit} "
                            f"(--max-num-queued-requests); retry later", status=429, code="too_many_requests")
+        # A client holding nothing may take more than its share in one request (as the bound above allows).
+        held, share = self.in_flight_by_client[client], self.max_in_flight_per_client
+        if held > 0 and held + num_choices > share:
+            self.metrics.rejected.inc()
+            raise APIError(f"this client has {held} completions in flight, at most {share} of the server's {limit} "
+                           f"(--max-num-queued-requests-per-client); retry later", status=429,
+                           code="too_many_requests")
         self.num_in_flight += num_choices
+        self.in_flight_by_client[client] += num_choices
+
+    def release(self, client: str, num_choices: int = 1) -> None:
+        """Give back slots `admit` took."""
+        self.num_in_flight -= num_choices
+        self.in_flight_by_client[client] -= num_choices
+        if self.in_flight_by_client[client] <= 0:
+            del self.in_flight_by_client[client]
 
     def check_request_bytes(self, texts: list[str], field: str) -> None:
         """On the event loop, before any tokenizing: a request's texts together are at most
@@ -304,6 +342,31 @@ class Serving:
     def check_chat_template(self) -> None:
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise APIError(f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
+
+    async def compile_grammar(self, spec: StructuredOutputsParams, field: str) -> None:
+        """Parse spec in the tokenizer thread and wait for its compile (the engine's GrammarCompiler, whose
+        cache add_request then hits), at most max_grammar_compile_seconds. A spec xgrammar rejects, one that
+        fails to compile (`a{2147483648}` parses, lazily) or allows no output (`root ::= root`), or one past
+        the time budget, is a 400 naming `field`, for this request alone, before it reaches the engine."""
+        seconds = self.limits.max_grammar_compile_seconds
+        try:
+            await self.in_tokenizer_thread(lambda: self.grammars.submit(spec))  # parses it there
+        except InvalidRequest as error:
+            raise APIError(f"{field}: {error}", param=field) from None
+        future = self.grammars.submit(spec, waiting=True)  # parsed: at once, with no await before `leave`
+        try:
+            # shielded: a request that gives up leaves the compile to the others waiting for it (`leave`)
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), seconds)
+        except InvalidRequest as error:
+            raise APIError(f"{field}: {error}", param=field) from None
+        except TimeoutError:
+            raise APIError(f"{field}: the grammar took over {seconds} s to compile, this server's limit",
+                           param=field) from None
+        except Exception as error:  # xgrammar's RuntimeError for a grammar that parses but cannot compile
+            raise APIError(f"{field}: the grammar cannot be compiled: {shorten(str(error), 300)}",
+                           param=field) from None
+        finally:
+            self.grammars.leave(spec)
 
     def fit_to_context(self, params: SamplingParams, max_tokens: int | None, num_prompt_tokens: int,
                        field: str) -> SamplingParams:

@@ -17,7 +17,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from functools import partial
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -30,7 +29,7 @@ from nanoserve.entrypoints.openai.serving_engine import (
     Prompt,
     Serving,
     Shown,
-    check_grammar,
+    client_key,
     grammar_field,
     sampling_params,
 )
@@ -45,11 +44,13 @@ class Generation:
     client that does not read holds no slot past that), or at `close()` if never submitted. Its
     handler calls close() however the request ends; close() aborts the engine requests not finished."""
 
-    def __init__(self, serving: Serving, num_choices: int) -> None:
-        serving.admit(num_choices)
-        self.serving, self.num_choices, self.closed = serving, num_choices, False
+    def __init__(self, serving: Serving, num_choices: int, grammar_field: str = "structured_outputs",
+                 client: str = "") -> None:
+        serving.admit(num_choices, client)
+        self.serving, self.num_choices, self.closed, self.client = serving, num_choices, False, client
+        self.grammar_field = grammar_field  # the body's field that a grammar's error names
         self.id = uuid.uuid4().hex
-        self.stream = serving.async_llm.stream(on_finished=self.release)
+        self.stream = serving.async_llm.stream(on_finished=self.release, client=client)
         self.index: dict[str, int] = {}  # engine request id -> its choice's index
         self.holding: set[str] = set()   # submitted requests whose slots this generation still holds
 
@@ -64,7 +65,7 @@ class Generation:
             await self.stream.submit([(request_id, token_ids, params)
                                       for request_id, (token_ids, params) in zip(self.index, requests)], arrival_time)
         except ENGINE_ERRORS as error:
-            raise engine_error(error) from None
+            raise self.api_error(error) from None
 
     async def results(self) -> AsyncIterator[tuple[int, RequestDelta | RequestOutput]]:
         """(choice index, delta or final output), as they come; raises a failure of the engine."""
@@ -72,13 +73,20 @@ class Generation:
             async for result in self.stream:
                 yield self.index[result.request_id], result
         except ENGINE_ERRORS as error:
-            raise engine_error(error) from None
+            raise self.api_error(error) from None
+
+    def api_error(self, error: Exception) -> APIError:
+        """engine_error, naming the body's grammar field (response_format or structured_outputs) as sent."""
+        api_error = engine_error(error)
+        if api_error.param == "structured_outputs":
+            api_error.param = self.grammar_field
+        return api_error
 
     def release(self, request_id: str) -> None:
         """The engine has finished a request (on the event loop, as its final reply arrives): its slot is free."""
         if request_id in self.holding:
             self.holding.discard(request_id)
-            self.serving.num_in_flight -= 1
+            self.serving.release(self.client)
 
     def close(self) -> None:
         """Abort what is not finished; their slots come back with their aborted outputs."""
@@ -86,7 +94,7 @@ class Generation:
             self.closed = True
             self.stream.close()
             if not self.index:  # never submitted (refused while tokenizing, or the client left): nothing will reply
-                self.serving.num_in_flight -= self.num_choices
+                self.serving.release(self.client, self.num_choices)
 
 
 async def generate_response(serving: Serving, request: Request, api: API, body: SamplingBody, num_prompts: int,
@@ -97,12 +105,13 @@ async def generate_response(serving: Serving, request: Request, api: API, body: 
     params = sampling_params(body, api, max_tokens, serving.limits)
     if body.stream_options is not None and not body.stream:
         raise APIError("stream_options is only for stream=true", param="stream_options")
-    generation = Generation(serving, num_prompts * params.n)  # takes its slots, or 429
+    client = client_key(body, request.headers, request.client.host if request.client else None)
+    generation = Generation(serving, num_prompts * params.n, grammar_field(body), client)  # takes its slots, or 429
 
     async def start() -> Response:
         prompts = await serving.in_tokenizer_thread(prepare)
-        if params.structured_outputs is not None:  # no second trip through the tokenizer thread without one
-            await serving.in_tokenizer_thread(partial(check_grammar, params, grammar_field(body)))
+        if params.structured_outputs is not None:  # compiled before the engine sees it: a bad one is a 400
+            await serving.compile_grammar(params.structured_outputs, grammar_field(body))
         fitted = [serving.fit_to_context(params, max_tokens, len(p.token_ids), api.prompt_field) for p in prompts]
         await generation.submit([(p.token_ids, f) for p, f in zip(prompts, fitted)], arrival_time)
         formatter = api(body, prompts, params.n, serving.token_strings)
