@@ -25,6 +25,7 @@ notebooks, `ServerThread(app).start()` serves it on a free port.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import functools
@@ -59,6 +60,8 @@ from nanoserve.entrypoints.openai.protocol import (
 from nanoserve.entrypoints.openai.serving_chat import create_chat_completion
 from nanoserve.entrypoints.openai.serving_completion import create_completion
 from nanoserve.entrypoints.openai.serving_engine import Serving
+from nanoserve.entrypoints.openai.serving_responses import create_response
+from nanoserve.entrypoints.openai.tool_parsers import PARSERS
 from nanoserve.entrypoints.utils import OneLineParser, add_engine_arguments, engine_config, positive
 
 HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's head (line and headers)
@@ -139,6 +142,7 @@ async def show_version(request: Request) -> Response:
 ROUTES = [
     ("/v1/completions", create_completion, ["POST"]),
     ("/v1/chat/completions", create_chat_completion, ["POST"]),
+    ("/v1/responses", create_response, ["POST"]),
     ("/v1/models", list_models, ["GET"]),
     ("/tokenize", tokenize_text, ["POST"]),
     ("/detokenize", detokenize_tokens, ["POST"]),
@@ -190,10 +194,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
-              limits: Limits = Limits()) -> FastAPI:
-    """The HTTP app; its AsyncLLM's engine thread starts and stops with it."""
+              limits: Limits = Limits(), chat_template: str | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
+    """The HTTP app; its AsyncLLM's engine thread starts and stops with it. `chat_template` replaces the
+    model's; `tool_call_parser` (tool_parsers.py) reads tool_choice "auto"'s calls (None: plain text)."""
     app = FastAPI(title="nanoserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.serving = Serving(engine, served_model_name, limits)
+    app.state.serving = Serving(engine, served_model_name, limits, chat_template, tool_call_parser)
     for path, endpoint, methods in ROUTES:
         app.add_api_route(path, endpoint, methods=methods)
     app.add_exception_handler(APIError, api_error)
@@ -308,8 +314,36 @@ def build_parser(prog: str) -> OneLineParser:
     parser.add_argument("--max-request-body-bytes", type=positive(int), default=Limits.max_body_bytes)
     parser.add_argument("--header-timeout", type=positive(float), default=HEADER_TIMEOUT,
                         help="seconds a connection may take to send a request's head")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template (a file, or the template's text) instead of the model's")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='tool_choice "auto" (the default with tools) reads tool calls from the output with '
+                             "--tool-call-parser; without it, \"auto\" answers plain text")
+    parser.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                        help="the format of the model's tool calls (hermes: <tool_call>{json}</tool_call>, as "
+                             "Qwen2.5/3; llama3_json: Llama 3.1's JSON)")
     add_engine_arguments(parser)
     return parser
+
+
+def read_chat_template(text: str | None) -> str | None:
+    """--chat-template: a file's text, else the argument itself if it looks like Jinja (as vLLM takes it)."""
+    if text is None:
+        return None
+    try:
+        with open(text) as file:
+            return file.read()
+    except OSError:
+        if "{{" in text or "{%" in text:
+            return text
+        raise ValueError(f"--chat-template: cannot read the file {text!r}") from None
+
+
+def auto_tool_parser(args: argparse.Namespace) -> str | None:
+    """tool_choice "auto"'s parser: --tool-call-parser where --enable-auto-tool-choice asks for it."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -326,6 +360,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.serve")
     args = parser.parse_args(argv)
     try:  # everything that can be checked before the model loads, so that a mistake costs no wait
         config = engine_config(args)
+        chat_template, tool_call_parser = read_chat_template(args.chat_template), auto_tool_parser(args)
         sock = bind(args.host, args.port)
         engine = LLMEngine(config)
     except (ValueError, OSError) as error:
@@ -333,8 +368,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.serve")
     limits = Limits(max_body_bytes=args.max_request_body_bytes, max_num_queued_requests=args.max_num_queued_requests,
                     max_completions_per_request=args.max_completions_per_request, write_timeout=args.write_timeout)
     name = args.served_model_name or args.model
-    server = uvicorn_server(build_app(engine, name, args.api_key, limits), args.host, args.port, args.header_timeout,
-                            log_level="info")
+    app = build_app(engine, name, args.api_key, limits, chat_template, tool_call_parser)
+    server = uvicorn_server(app, args.host, args.port, args.header_timeout, log_level="info")
     host, port = sock.getsockname()[:2]  # uvicorn does not say where a socket it was given listens (--port 0)
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     # Everything loaded so far (torch, the model, the tokenizer: millions of objects) lives as long as the
