@@ -5,9 +5,10 @@
 
 Three kinds of thread take part in a request:
 - uvicorn's event loop (one thread) runs the HTTP handlers (`create_completion` in
-  serving_completion.py, `create_chat_completion` in serving_chat.py, the small ones here). A
-  handler reads and checks the body (protocol.py), takes its slots of --max-num-queued-requests or
-  answers 429 at once, and hands the slow work to
+  serving_completion.py, `create_chat_completion` in serving_chat.py with its tools in serving_tools.py,
+  `create_response` in serving_responses.py, the small ones here). A handler reads and checks the body
+  (protocol.py), takes its slots of --max-num-queued-requests or answers 429 at once, and hands the
+  slow work to
 - the tokenizer thread (serving_engine.py), which renders the chat template and tokenizes, so that
   neither the event loop (serving every other client) nor the engine thread (stepping every other
   request) waits on a long input. With the token ids, the handler submits one engine request per
