@@ -205,3 +205,31 @@ def test_tools_on_completions_stay_refused_and_the_server_serves_on(server):
     reply = httpx.post(server.url + "/v1/chat/completions", json=dict(model=NAME, messages=MESSAGES, max_tokens=3),
                        timeout=60)
     assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.fixture(scope="module")
+def spec_client(model_path):  # noqa: F811
+    speculative_config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
+    config = Config.from_kwargs(model_path, **ENGINE, speculative_config=speculative_config)
+    server = ServerThread(build_app(LLMEngine(config), NAME, chat_template=TOOLS_TEMPLATE,
+                                    tool_call_parser="hermes")).start()
+    yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    server.stop()
+
+
+def test_speculative_decoding_serves_the_same_calls(client, spec_client):
+    """A server with n-gram speculative decoding answers what the plain one does: forced calls (a grammar's
+    request takes no drafts), and under "auto" a greedy output whose repetitions the drafts predict, so that
+    its deltas carry several tokens, streamed and whole. Catches tool requests served differently under
+    speculative decoding (drafts taken by a grammar's request, a formatter that assumes one token per delta);
+    the parsers' own chunking is test_tool_parsers.py's."""
+    for fields in (dict(tool_choice=NAMED), dict(tool_choice="required", parallel_tool_calls=False),
+                   dict(temperature=0, max_tokens=80)):
+        expected = chat(client, **fields).choices[0]
+        got = chat(spec_client, **fields).choices[0]
+        assert (got.message.content, calls_of(got.message)) == (expected.message.content, calls_of(expected.message))
+        assert streamed(spec_client, **fields) == (expected.message.content, calls_of(expected.message),
+                                                   expected.finish_reason)
+    def num_chunks(client) -> int:
+        return sum(1 for chunk in chat(client, stream=True, temperature=0, max_tokens=80) if chunk.choices)
+    assert num_chunks(spec_client) < num_chunks(client)  # drafts were accepted: some deltas held several tokens
