@@ -43,6 +43,23 @@ def test_serve_help_and_mistakes(monkeypatch, capsys):
         assert code == 2 and err.count("\n") == 1 and "error:" in err and words in err, (argv, err)
 
 
+# Catches: the tool flags missing from `nanoserve serve --help`, --enable-auto-tool-choice accepted without a
+# parser (every "auto" request would silently answer text), an unreadable --chat-template found only after loading.
+def test_serve_tool_flags(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(api_server, "LLMEngine", lambda config: pytest.fail("the model was loaded"))
+    _, out, _ = run_cli(["serve", "--help"], capsys)
+    for flag in ("--chat-template", "--enable-auto-tool-choice", "--tool-call-parser"):
+        assert flag in out
+    for argv, words in [(["--enable-auto-tool-choice"], "needs --tool-call-parser"),
+                        (["--tool-call-parser", "nope"], "invalid choice: 'nope'"),
+                        (["--chat-template", str(tmp_path / "missing.jinja")], "cannot read")]:
+        code, _, err = run_cli(["serve", nanoserve.DEFAULT_MODEL, *argv], capsys)
+        assert code == 2 and words in err, (argv, err)
+    assert api_server.read_chat_template("{{ messages }}") == "{{ messages }}"  # the template's text itself
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{% endfor %}")
+    assert api_server.read_chat_template(str(tmp_path / "t.jinja")) == "{% for m in messages %}{% endfor %}"
+
+
 # Catches: pyproject's script entry naming a module or function that is not there, a command that
 # fails outside pytest (no __main__ guard, an import that fails at start): the installed `nanoserve`
 # runs if there is one, else the module it names.

@@ -318,7 +318,7 @@ BAD = [  # (path, body, status, words the message must name, param)
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], prompt_logprobs=1), 400, "not supported",
      "prompt_logprobs"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}]), 400,
-     "not supported", "tools"),
+     "tools.0.function: Field required", "tools"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}), 400, "grammar",
      "response_format"),

@@ -5,9 +5,10 @@
 
 Three kinds of thread take part in a request:
 - uvicorn's event loop (one thread) runs the HTTP handlers (`create_completion` in
-  serving_completion.py, `create_chat_completion` in serving_chat.py, the small ones here). A
-  handler reads and checks the body (protocol.py), takes its slots of --max-num-queued-requests or
-  answers 429 at once, and hands the slow work to
+  serving_completion.py, `create_chat_completion` in serving_chat.py with its tools in serving_tools.py,
+  `create_response` in serving_responses.py, the small ones here). A handler reads and checks the body
+  (protocol.py), takes its slots of --max-num-queued-requests or answers 429 at once, and hands the
+  slow work to
 - the tokenizer thread (serving_engine.py), which renders the chat template and tokenizes, so that
   neither the event loop (serving every other client) nor the engine thread (stepping every other
   request) waits on a long input. With the token ids, the handler submits one engine request per
@@ -25,6 +26,7 @@ notebooks, `ServerThread(app).start()` serves it on a free port.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import functools
@@ -59,6 +61,8 @@ from nanoserve.entrypoints.openai.protocol import (
 from nanoserve.entrypoints.openai.serving_chat import create_chat_completion
 from nanoserve.entrypoints.openai.serving_completion import create_completion
 from nanoserve.entrypoints.openai.serving_engine import Serving
+from nanoserve.entrypoints.openai.serving_responses import create_response
+from nanoserve.entrypoints.openai.tool_parsers import PARSERS
 from nanoserve.entrypoints.utils import OneLineParser, add_engine_arguments, engine_config, positive
 
 HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's head (line and headers)
@@ -139,6 +143,7 @@ async def show_version(request: Request) -> Response:
 ROUTES = [
     ("/v1/completions", create_completion, ["POST"]),
     ("/v1/chat/completions", create_chat_completion, ["POST"]),
+    ("/v1/responses", create_response, ["POST"]),
     ("/v1/models", list_models, ["GET"]),
     ("/tokenize", tokenize_text, ["POST"]),
     ("/detokenize", detokenize_tokens, ["POST"]),
@@ -190,10 +195,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
-              limits: Limits = Limits()) -> FastAPI:
-    """The HTTP app; its AsyncLLM's engine thread starts and stops with it."""
+              limits: Limits = Limits(), chat_template: str | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
+    """The HTTP app; its AsyncLLM's engine thread starts and stops with it. `chat_template` replaces the
+    model's; `tool_call_parser` (tool_parsers.py) reads tool_choice "auto"'s calls (None: plain text)."""
     app = FastAPI(title="nanoserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.serving = Serving(engine, served_model_name, limits)
+    app.state.serving = Serving(engine, served_model_name, limits, chat_template, tool_call_parser)
     for path, endpoint, methods in ROUTES:
         app.add_api_route(path, endpoint, methods=methods)
     app.add_exception_handler(APIError, api_error)
@@ -318,8 +325,36 @@ def build_parser(prog: str) -> OneLineParser:
     parser.add_argument("--max-grammar-compile-seconds", type=positive(float),
                         default=Limits.max_grammar_compile_seconds,
                         help="seconds a request waits for its grammar to compile before a 400")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template (a file, or the template's text) instead of the model's")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='tool_choice "auto" (the default with tools) reads tool calls from the output with '
+                             "--tool-call-parser; without it, \"auto\" answers plain text")
+    parser.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                        help="the format of the model's tool calls (hermes: <tool_call>{json}</tool_call>, as "
+                             "Qwen2.5/3; llama3_json: Llama 3.1's JSON)")
     add_engine_arguments(parser)
     return parser
+
+
+def read_chat_template(text: str | None) -> str | None:
+    """--chat-template: a file's text, else the argument itself if it looks like Jinja (as vLLM takes it)."""
+    if text is None:
+        return None
+    try:
+        with open(text) as file:
+            return file.read()
+    except OSError:
+        if "{{" in text or "{%" in text:
+            return text
+        raise ValueError(f"--chat-template: cannot read the file {text!r}") from None
+
+
+def auto_tool_parser(args: argparse.Namespace) -> str | None:
+    """tool_choice "auto"'s parser: --tool-call-parser where --enable-auto-tool-choice asks for it."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -336,6 +371,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.serve")
     args = parser.parse_args(argv)
     try:  # everything that can be checked before the model loads, so that a mistake costs no wait
         config = engine_config(args)
+        chat_template, tool_call_parser = read_chat_template(args.chat_template), auto_tool_parser(args)
         sock = bind(args.host, args.port)
         engine = LLMEngine(config)
     except (ValueError, OSError) as error:
@@ -346,8 +382,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.serve")
                     max_grammar_bytes=args.max_grammar_bytes, max_grammar_depth=args.max_grammar_depth,
                     max_grammar_compile_seconds=args.max_grammar_compile_seconds)
     name = args.served_model_name or args.model
-    server = uvicorn_server(build_app(engine, name, args.api_key, limits), args.host, args.port, args.header_timeout,
-                            log_level="info")
+    app = build_app(engine, name, args.api_key, limits, chat_template, tool_call_parser)
+    server = uvicorn_server(app, args.host, args.port, args.header_timeout, log_level="info")
     host, port = sock.getsockname()[:2]  # uvicorn does not say where a socket it was given listens (--port 0)
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     # Everything loaded so far (torch, the model, the tokenizer: millions of objects) lives as long as the

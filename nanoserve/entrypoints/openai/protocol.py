@@ -162,9 +162,46 @@ class ContentPart(Strict):
     text: str | None = None
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(Strict):
+    """A call the assistant made, in a conversation sent back."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(Strict):
     role: str
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None  # None: an assistant message that only calls tools
+    tool_calls: list[MessageToolCall] | None = None  # the assistant's calls
+    tool_call_id: str | None = None                  # a "tool" message: the call it answers
+    name: str | None = None
+
+
+class FunctionDefinition(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    """tool_choice {"type": "function", "function": {"name": ...}}: that function is called."""
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatBody(SamplingBody):
@@ -172,6 +209,9 @@ class ChatBody(SamplingBody):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None       # each token's logprob
     top_logprobs: int | None = None    # and the N most likely (with logprobs true)
+    tools: list[Tool] | None = None    # serving_tools.py
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeBody(Strict):
@@ -189,8 +229,54 @@ class DetokenizeBody(Strict):
     tokens: list[int]
 
 
+class ResponsesTool(Strict):
+    """The Responses API's function tool: the chat tool's function, flat."""
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ResponsesToolChoice(Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(Strict):
+    """The Responses API's text.format: {"type": "text"}, {"type": "json_object"}, or {"type": "json_schema",
+    "name": ..., "schema": {...}} (response_format's json_schema, flat)."""
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(Strict):
+    format: TextFormat | None = None
+
+
+class ResponsesBody(Strict):
+    """POST /v1/responses (serving_responses.py), stateless: `input` is the whole conversation."""
+    model: str | None = None
+    input: str | list[dict]  # a user message, or message, function_call and function_call_output items
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = None
+    text: TextConfig | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None  # refused: this server keeps no responses
+    store: bool | None = None                # true refused, for the same reason
+
+
 BODIES = (CompletionBody, ChatBody, Message, ContentPart, StreamOptions, TokenizeBody, DetokenizeBody, ResponseFormat,
-          JsonSchema, StructuredOutputsBody)
+          JsonSchema, StructuredOutputsBody, FunctionCall, MessageToolCall, FunctionDefinition, Tool, NamedToolChoice,
+          ResponsesBody, ResponsesTool, ResponsesToolChoice, TextConfig, TextFormat)
 FIELDS = {field.alias or name for body in BODIES for name, field in body.model_fields.items()}  # as sent: "json"
 # Fields this server does not support -> the values that mean "not used", which it accepts. A body that
 # declares one of them (CompletionBody.echo) supports it.
@@ -263,15 +349,33 @@ def check_logprobs(field: str, value: int | None) -> None:
         raise APIError(f"{field} must be from 0 to {MAX_LOGPROBS}; got {value}", param=field)
 
 
-def template_messages(messages: list[Message]) -> list[dict[str, str]]:
+def template_messages(messages: list[Message]) -> list[dict]:
     """Messages as chat templates take them; content given as a list of text parts is joined by
-    newlines (as vLLM does)."""
+    newlines (as vLLM does). An assistant's tool_calls and a tool message's tool_call_id go along."""
     result = []
     for i, m in enumerate(messages):
-        parts = [ContentPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        if m.content is None and not m.tool_calls:
+            raise APIError(f"messages.{i}.content: Field required", param="messages")
+        parts = [ContentPart(type="text", text=m.content or "")] if not isinstance(m.content, list) else m.content
         if any(p.type != "text" or p.text is None for p in parts):
             raise APIError(f"messages.{i}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
                            param="messages")
-        result.append({"role": m.role, "content": "\n".join(p.text for p in parts)})
+        message = {"role": m.role, "content": "\n".join(p.text for p in parts)}
+        if m.tool_calls:
+            message["tool_calls"] = [template_tool_call(call) for call in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        result.append(message)
     return result
+
+
+def template_tool_call(call: MessageToolCall) -> dict:
+    """A call as transformers' chat templates take it: the arguments as a dict (templates write them with
+    tojson; a string would be quoted twice), as vLLM passes them. Arguments that are no JSON object stay text."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
 

@@ -1,7 +1,8 @@
 """/v1/chat/completions: messages formatted by the tokenizer's chat template, as LLM.chat does.
 
 `ChatAPI` formats the choices (the assistant's message, a role chunk first when streamed, and
-OpenAI's chat logprobs); `create_chat_completion` is the route's handler.
+OpenAI's chat logprobs); `create_chat_completion` is the route's handler. With tools, serving_tools.py's
+ToolChatAPI formats them instead.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from nanoserve.entrypoints.openai.protocol import (
     template_messages,
 )
 from nanoserve.entrypoints.openai.serving_engine import Formatter, Prompt, Serving, Shown, TokenStrings, clamp
-from nanoserve.entrypoints.openai.streaming import generate_response
+from nanoserve.entrypoints.openai.streaming import Answer, generate_response
 from nanoserve.sampler import Logprob
 
 
@@ -83,11 +84,22 @@ async def create_chat_completion(request: Request) -> Response:
     arrival_time = time.perf_counter()
     serving: Serving = request.app.state.serving
     body = parse(ChatBody, await read_json(request, serving.limits.max_body_bytes, serving.max_body_values))
-    serving.check_chat_template()
+    return await serve_chat(serving, request, body, arrival_time)
+
+
+async def serve_chat(serving: Serving, request: Request, body: ChatBody, arrival_time: float,
+                     answer: Answer | None = None) -> Response:
+    """A parsed chat body's response; /v1/responses' too, in its own shape (`answer`)."""
+    from nanoserve.entrypoints.openai.serving_tools import check_tool_schemas, prepare_tools, template_tools
+    serving.check_chat_template()  # (imported here: serving_tools builds on ChatAPI)
     messages = template_messages(body.messages)
     serving.check_request_bytes([m["content"] for m in messages], "messages")
+    body, api = prepare_tools(body, serving.tool_call_parser)
+    tools = template_tools(body)
 
     def prepare() -> list[Prompt]:  # as LLM.chat: the template wrote the special tokens (<s>)
-        return [Prompt(serving.tokenize(serving.render_chat(messages), "messages", add_special_tokens=False))]
-    return await generate_response(serving, request, ChatAPI, body, 1, prepare, arrival_time)
+        check_tool_schemas(body.tools, serving.limits)
+        text = serving.render_chat(messages, tools=tools)
+        return [Prompt(serving.tokenize(text, "messages", add_special_tokens=False))]
+    return await generate_response(serving, request, api, body, 1, prepare, arrival_time, answer)
 

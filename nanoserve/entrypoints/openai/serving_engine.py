@@ -115,8 +115,8 @@ class Formatter:
         """A whole response's choice."""
         raise NotImplementedError
 
-    def chunk_choice(self, index: int, shown: Shown) -> dict:
-        """A stream chunk's choice."""
+    def chunk_choice(self, index: int, shown: Shown) -> dict | None:
+        """A stream chunk's choice; None: nothing to send for this delta."""
         raise NotImplementedError
 
     def usage(self, outputs: list[RequestOutput]) -> dict:
@@ -222,8 +222,11 @@ class Serving:
     """The served model's name and limits, the AsyncLLM, the tokenizer thread and the metrics.
     Handlers never call the engine; they use its tokenizer (from the tokenizer thread) and constants."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, limits: Limits) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str, limits: Limits, chat_template: str | None = None,
+                 tool_call_parser: str | None = None) -> None:
         self.model_name, self.limits = model_name, limits
+        self.chat_template = chat_template        # --chat-template: the model's own if None
+        self.tool_call_parser = tool_call_parser  # tool_choice "auto" parses with it (None: plain text)
         self.model_path, self.max_model_len = engine.config.model, engine.max_model_len
         self.tokenizer = engine.tokenizer
         self.grammars = engine.grammars  # thread-safe: handlers compile a request's grammar before submitting it
@@ -331,16 +334,17 @@ class Serving:
             return None
         return self.tokenizer.decode(token_ids) if all(0 <= t < self.vocab_size for t in token_ids) else ""
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """In the tokenizer thread: the conversation as the model's chat template writes it."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """In the tokenizer thread: the conversation (and the tools it may call) as the chat template writes it."""
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
+                                                      tokenize=False, tools=tools, chat_template=self.chat_template)
         except Exception as error:  # the template's own checks (a role it does not know, ...)
             raise APIError(f"messages: the chat template failed: {error}", param="messages") from None
 
     def check_chat_template(self) -> None:
-        if self.tokenizer is None or not self.tokenizer.chat_template:
+        if self.tokenizer is None or not (self.chat_template or self.tokenizer.chat_template):
             raise APIError(f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
 
     async def compile_grammar(self, spec: StructuredOutputsParams, field: str) -> None:

@@ -97,9 +97,16 @@ class Generation:
                 self.serving.release(self.client, self.num_choices)
 
 
+# Makes a response of another API's shape from a submitted generation (see generate_response).
+Answer = Callable[[Generation, Formatter, dict], Awaitable[Response]]
+
+
 async def generate_response(serving: Serving, request: Request, api: API, body: SamplingBody, num_prompts: int,
-                            prepare: Callable[[], list[Prompt]], arrival_time: float) -> Response:
-    """Serve a completions or chat request whose prompts `prepare` tokenizes (in the tokenizer thread)."""
+                            prepare: Callable[[], list[Prompt]], arrival_time: float,
+                            answer: Answer | None = None) -> Response:
+    """Serve a completions or chat request whose prompts `prepare` tokenizes (in the tokenizer thread).
+    `answer`, if given, makes the response from the submitted generation instead (another API's shape over
+    the same choices: serving_responses.py); a stream it answers is an EventStream."""
     serving.check_model(body.model)
     max_tokens = api.max_tokens(body)
     params = sampling_params(body, api, max_tokens, serving.limits)
@@ -117,6 +124,8 @@ async def generate_response(serving: Serving, request: Request, api: API, body: 
         formatter = api(body, prompts, params.n, serving.token_strings)
         head = dict(id=f"{api.id_prefix}-{generation.id}", object=api.chunk_object if body.stream else api.object,
                     created=int(time.time()), model=serving.model_name)
+        if answer is not None:
+            return await answer(generation, formatter, head)
         if body.stream:
             include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
             return EventStream(generation, formatter, head, include_usage)
@@ -164,7 +173,9 @@ async def event_stream(generation: Generation, api: Formatter, head: dict,
                 continue
             shown = api.show(index, result)
             if shown.text or shown.finish_reason or shown.text is None or shown.logprobs is not None:  # "": held back
-                yield sse({**head, "choices": [api.chunk_choice(index, shown)]})
+                choice = api.chunk_choice(index, shown)
+                if choice is not None:  # None: the formatter holds it back too (a tool call's tag, half read)
+                    yield sse({**head, "choices": [choice]})
         if include_usage:
             yield sse({**head, "choices": [], "usage": api.usage(outputs)})
     except APIError as error:
@@ -188,8 +199,10 @@ class EventStream(StreamingResponse):
     wait (uvicorn's flow control, once the socket's buffers are full): after write_timeout seconds of
     that, the response ends unfinished and uvicorn closes the connection."""
 
-    def __init__(self, generation: Generation, api: Formatter, head: dict, include_usage: bool) -> None:
-        super().__init__(event_stream(generation, api, head, include_usage), media_type="text/event-stream")
+    def __init__(self, generation: Generation, api: Formatter, head: dict, include_usage: bool,
+                 events: AsyncIterator[str] | None = None) -> None:  # events: another API's (serving_responses.py)
+        events = event_stream(generation, api, head, include_usage) if events is None else events
+        super().__init__(events, media_type="text/event-stream")
         self.generation = generation
         self.write_timeout = generation.serving.limits.write_timeout
 
