@@ -1,37 +1,52 @@
-"""Eager against compiled (enforce_eager), one process each:
+"""Eager against compiled (enforce_eager), both engines in one process, run in turns:
 
-    python scripts/compare_eager_compiled.py MODEL eager
-    python scripts/compare_eager_compiled.py MODEL compiled
+    python scripts/compare_eager_compiled.py MODEL DTYPE REQUESTS [ROUNDS]
 
-Prints LLM()'s start-up time and, for 1 and for 48 requests, the best of two runs of 48 greedy tokens
-each, in tok/s. The figures are in docs/performance.md ("The compiled step")."""
+Each round times REQUESTS requests of 96 random prompt tokens generating 48 tokens and then 1 token,
+on each engine in turn; a decode step is the difference over 47 steps. Prints each engine's median ms
+per decode step, their ratio, every round, and each LLM()'s start-up time. Running the two in turns
+keeps a machine whose speed drifts from favouring one of them. The figures are in
+docs/performance.md ("The compiled step")."""
+import random
+import statistics
 import sys
 import time
 
 from nanoserve import LLM, SamplingParams
 
-NUM_TOKENS = 48
+PROMPT_LEN, NUM_TOKENS = 96, 48
 
 
-def best_tok_per_s(llm: LLM, num_requests: int) -> float:
-    params = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, temperature=0)
-    llm.generate(["Hello there"] * num_requests, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    seconds = []
-    for _ in range(2):
-        start = time.perf_counter()
-        llm.generate([f"Hello there {i}" for i in range(num_requests)], params, use_tqdm=False)
-        seconds.append(time.perf_counter() - start)
-    return num_requests * NUM_TOKENS / min(seconds)
+def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start
 
 
 def main() -> None:
-    path, kind = sys.argv[1], sys.argv[2]
-    start = time.perf_counter()
-    llm = LLM(path, dtype="float32", enforce_eager=kind == "eager")
-    start_seconds = time.perf_counter() - start
-    rates = {n: round(best_tok_per_s(llm, n), 1) for n in (1, 48)}
-    print(f"{kind}: start {start_seconds:.1f} s, tok/s at 1 and 48 requests {rates}, "
-          f"compiled: {llm.engine.model_runner.compiled}")
+    path, dtype, num_requests = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 3
+    engines, start_seconds = {}, {}
+    for name in ("eager", "compiled"):
+        start = time.perf_counter()
+        engines[name] = LLM(path, dtype=dtype, enforce_eager=name == "eager", max_num_seqs=max(num_requests, 2))
+        start_seconds[name] = time.perf_counter() - start
+    assert engines["compiled"].engine.model_runner.compiled, "the compiled engine fell back to eager"
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(PROMPT_LEN)] for _ in range(num_requests)]
+    for llm in engines.values():
+        timed_generate(llm, prompts, 4)  # warm-up
+    ms_per_step: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, llm in engines.items():
+            seconds = timed_generate(llm, prompts, NUM_TOKENS) - timed_generate(llm, prompts, 1)
+            ms_per_step[name].append(1000 * seconds / (NUM_TOKENS - 1))
+    median = {name: statistics.median(times) for name, times in ms_per_step.items()}
+    print(f"{dtype}, {num_requests} requests: eager {median['eager']:.1f} ms/step, compiled "
+          f"{median['compiled']:.1f} ms/step, compiled / eager {median['compiled'] / median['eager']:.2f}; "
+          f"rounds {ms_per_step}; LLM() start eager {start_seconds['eager']:.1f} s, compiled "
+          f"{start_seconds['compiled']:.1f} s")
 
 
 if __name__ == "__main__":
