@@ -112,11 +112,3 @@ class NgramSpeculator:
         per_pos = self.num_accepted_tokens_per_pos  # a draft token is accepted only after all those before it
         return dict(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
                     num_accepted_tokens=sum(per_pos), num_accepted_tokens_per_pos=list(per_pos))
-
-
-def sampling_rows(seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
-    """The sampled rows of a step: 1 + k per request (its last token, then each of its k drafts; k = 0 without),
-    with how many tokens the request has sampled before each, so that every row samples as a step without
-    drafts would."""
-    rows = [(seq, j) for seq in seqs for j in range(1 + len(seq.spec_token_ids))]
-    return [seq for seq, _ in rows], [seq.num_tokens - seq.num_prompt_tokens + j for seq, j in rows]

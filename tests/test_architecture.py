@@ -48,8 +48,6 @@ ALLOWED_CORE_TO_EXTENSION = {
     ("nanoserve.model_runner", "nanoserve.compilation"),
     # The runner captures and replays decode CUDA graphs (capture_graphs).
     ("nanoserve.model_runner", "nanoserve.cuda_graphs"),
-    # The runner reads which rows sample, one per draft too (sampling_rows).
-    ("nanoserve.model_runner", "nanoserve.spec_decode"),
     # The runner applies penalties, min_p, logit_bias, min_tokens and grammar masks (process_logits).
     ("nanoserve.model_runner", "nanoserve.logits_processors"),
 }
