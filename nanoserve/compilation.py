@@ -22,7 +22,7 @@ Inductor keeps its generated code in an on-disk cache (by default `/tmp/torchind
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -31,8 +31,16 @@ from nanoserve.config import Config
 from nanoserve.sampler import SamplingParams
 from nanoserve.sequence import Sequence
 
-if TYPE_CHECKING:
-    from nanoserve.model_runner import ModelRunner
+
+class Runner(Protocol):
+    """What compilation and CUDA graphs (cuda_graphs.py) read of model_runner.py's ModelRunner."""
+    model: torch.nn.Module     # the model: called as model(batch, kv_cache) -> logits
+    device: torch.device
+    backend: str               # the attention backend's name ("flash", "sdpa", ...)
+    block_size: int
+    kv_cache: torch.Tensor
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor: ...
 
 
 def why_not_compile(device: torch.device, tensor_parallel_size: int) -> str | None:
@@ -42,7 +50,7 @@ def why_not_compile(device: torch.device, tensor_parallel_size: int) -> str | No
     return "the compiled step does not cover tensor parallelism" if tensor_parallel_size > 1 else None
 
 
-def compile_model(runner: ModelRunner, config: Config) -> bool:
+def compile_model(runner: Runner, config: Config) -> bool:
     """Compile the runner's decoder layers and run the warm-up that compiles them. True where the model
     now runs compiled; False, after one log line naming why, where it runs eager."""
     why = why_not_compile(runner.device, config.tensor_parallel_size)
@@ -72,7 +80,7 @@ def describe(error: Exception) -> str:
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
-def warm_up(runner: ModelRunner) -> None:
+def warm_up(runner: Runner) -> None:
     """Two steps on a throwaway KV cache: a 2-token prompt, then 1 token, the two shapes torch compiles
     for (N >= 2, and N = 1). Small on purpose: with dynamic shapes a larger N would compile the same."""
     seq = Sequence("warm-up", None, [0, 0], SamplingParams())

@@ -23,11 +23,46 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-from nanoserve.sampler import is_finite_real, require
-from nanoserve.spec_decode import SpeculativeConfig
+from nanoserve.sampler import is_finite_real, is_int, require
 
 # Without num_kvcache_blocks on a CPU, the KV cache takes at most this share of available RAM.
 CPU_KV_CACHE_FRACTION = 0.1
+
+
+# With this many requests running, a step has no drafts: a large batch is compute-bound, and rejected drafts cost.
+DISABLE_BY_BATCH_SIZE = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` keys for method "ngram" (spec_decode.py drafts with them). Without
+    prompt_lookup_min and _max both are 5, as in vLLM; with one, the other takes its value.
+    disable_by_batch_size: no drafts while this many requests run (vLLM's default is never; ours is
+    DISABLE_BY_BATCH_SIZE, see docs/speculative-decoding.md)."""
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    disable_by_batch_size: int
+
+    @classmethod
+    def from_dict(cls, config: dict) -> SpeculativeConfig:
+        """Checked: a ValueError names the key at fault."""
+        if not isinstance(config, dict) or config.get("method") != "ngram":
+            raise ValueError(f"speculative_config must be a dict with method 'ngram', got {config!r}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
+        if unknown := sorted(set(config) - known):
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; valid keys: {sorted(known)}")
+        low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+        if low is None and high is None:
+            low = high = 5  # vLLM's default
+        values = dict(num_speculative_tokens=config.get("num_speculative_tokens"),
+                      prompt_lookup_min=high if low is None else low, prompt_lookup_max=low if high is None else high,
+                      disable_by_batch_size=config.get("disable_by_batch_size", DISABLE_BY_BATCH_SIZE))
+        for name, value in values.items():
+            require(is_int(value) and value >= 1, f"speculative_config: {name}", config.get(name), "a positive int")
+        if values["prompt_lookup_min"] > values["prompt_lookup_max"]:
+            raise ValueError(f"speculative_config: prompt_lookup_min {low} > prompt_lookup_max {high}")
+        return cls(**values)
 
 
 @dataclass(frozen=True)

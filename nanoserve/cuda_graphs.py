@@ -23,19 +23,16 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from nanoserve.batch import Batch, build_batch
-from nanoserve.compilation import describe
+from nanoserve.compilation import Runner, describe
 from nanoserve.config import Config, cdiv
 from nanoserve.sampler import SamplingParams
 from nanoserve.sequence import Sequence
-
-if TYPE_CHECKING:
-    from nanoserve.model_runner import ModelRunner
 
 
 def capture(run: Callable[[], Tensor], pool: tuple | None) -> tuple[Callable[[], Tensor], tuple]:
@@ -76,7 +73,7 @@ class DecodeGraphs:
         return self.model.lm_head(replay()[batch.logits_indices]).float()
 
 
-def capture_graphs(runner: ModelRunner, config: Config, max_model_len: int) -> DecodeGraphs | None:
+def capture_graphs(runner: Runner, config: Config, max_model_len: int) -> DecodeGraphs | None:
     """The runner's decode graphs where enforce_eager=False on CUDA; None elsewhere, and where they cannot
     be captured here, after one log line naming why (decode steps then run without)."""
     if config.enforce_eager or runner.device.type != "cuda":

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 
 from nanoserve.batch import build_batch, samples_now
-from nanoserve.config import Config, cdiv
+from nanoserve.config import Config, SpeculativeConfig, cdiv
 from nanoserve.detokenizer import Detokenizer
 from nanoserve.device import resolve_device
 from nanoserve.distributed import check_tensor_parallel
@@ -28,6 +28,7 @@ from nanoserve.parallel import TensorParallelRunner
 from nanoserve.sampler import InvalidRequest, SamplingParams, require
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
+from nanoserve.spec_decode import NgramSpeculator
 from nanoserve.structured_outputs import GrammarCompiler, fail_grammars, grammars_pending, wait_for_grammars
 from nanoserve.tokenizer import load_tokenizer, read_eos_token_ids, tokenize
 
@@ -63,7 +64,9 @@ class LLMEngine:
                     f"max_model_len={self.max_model_len} tokens: raise num_kvcache_blocks or lower max_model_len")
             self.tokenizer = load_tokenizer(config.model)
             eos_token_ids = read_eos_token_ids(config.model, hf_config)
-            self.scheduler = Scheduler(config, num_blocks, self.block_size, self.max_model_len, eos_token_ids)
+            spec = config.speculative_config  # n-gram drafts for the decodes (spec_decode.py), if asked for
+            drafter = NgramSpeculator(SpeculativeConfig.from_dict(spec)) if spec is not None else None
+            self.scheduler = Scheduler(config, num_blocks, self.block_size, self.max_model_len, eos_token_ids, drafter)
             self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids)
             self.requests: dict[str, Sequence] = {}  # unfinished requests by id
             self.aborted: list[RequestOutput] = []   # aborted or failed since the last step: the next reports them

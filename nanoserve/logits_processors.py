@@ -20,26 +20,9 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from nanoserve.sampler import InvalidRequest, SamplingParams, is_finite_real, is_int, require
+from nanoserve.sampler import InvalidRequest, SamplingParams
 from nanoserve.sequence import Sequence
-from nanoserve.structured_outputs import StructuredOutputsParams, apply_grammar_masks
-
-
-def check_params(p: SamplingParams) -> None:
-    """SamplingParams' checks for the fields applied here (vLLM's bounds): ValueError naming the field."""
-    require(is_finite_real(p.repetition_penalty) and p.repetition_penalty > 0, "repetition_penalty",
-            p.repetition_penalty, "a number > 0 (1: off)")
-    for name, low, high in (("frequency_penalty", -2, 2), ("presence_penalty", -2, 2), ("min_p", 0, 1)):
-        value = getattr(p, name)
-        require(is_finite_real(value) and low <= value <= high, name, value, f"a number in [{low}, {high}]")
-    bias = p.logit_bias
-    ok = bias is None or isinstance(bias, dict) and all(is_int(t) and t >= 0 and is_finite_real(b)
-                                                        for t, b in bias.items())
-    require(ok, "logit_bias", bias, "None or a dict of token id (an int >= 0) -> a finite number")
-    require(is_int(p.min_tokens) and 0 <= p.min_tokens <= p.max_tokens, "min_tokens", p.min_tokens,
-            f"an int in [0, max_tokens={p.max_tokens}]")
-    require(p.structured_outputs is None or isinstance(p.structured_outputs, StructuredOutputsParams),
-            "structured_outputs", p.structured_outputs, "None or a StructuredOutputsParams")
+from nanoserve.structured_outputs import apply_grammar_masks
 
 
 def has_penalties(p: SamplingParams) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.attention import select_attention
-from nanoserve.batch import Batch, build_batch, prompt_logprob_positions, samples_now
+from nanoserve.batch import Batch, build_batch, prompt_logprob_positions, samples_now, sampling_rows
 from nanoserve.compilation import compile_model
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config, cdiv
 from nanoserve.cuda_graphs import capture_graphs
@@ -21,7 +21,6 @@ from nanoserve.models import get_head_dim
 from nanoserve.models.loader import load_model, read_config
 from nanoserve.sampler import Logprob, SamplerOutput, SamplingParams, sample, top_logprobs
 from nanoserve.sequence import Sequence
-from nanoserve.spec_decode import sampling_rows
 from nanoserve.tokenizer import read_eos_token_ids
 
 
@@ -109,7 +108,7 @@ class ModelRunner:
         if not scheduled:
             return SamplerOutput([], [], [])
         seqs = [seq for seq, num_new in scheduled if samples_now(seq, num_new)]
-        seqs, num_generated = sampling_rows(seqs)  # a row per request, and one per draft (spec_decode.py)
+        seqs, num_generated = sampling_rows(seqs)  # a row per request, and one per draft (batch.py)
         sampling, prompt_rows = logits[:len(seqs)], logits[len(seqs):]  # [S, vocab], [P, vocab]
         # penalties, grammars...: logits_processors.py (a request using them has no drafts: one row each)
         processed = process_logits(sampling, seqs, self.eos_token_ids)

@@ -42,22 +42,37 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
 from itertools import chain
+from typing import Protocol
 
 from nanoserve.batch import prompt_logprob_positions
 from nanoserve.block_manager import BlockManager
 from nanoserve.config import Config, cdiv
-from nanoserve.sampler import SamplerOutput
+from nanoserve.sampler import Logprob, SamplerOutput
 from nanoserve.sequence import Sequence, SequenceStatus
-from nanoserve.spec_decode import NgramSpeculator, SpeculativeConfig
 
 ScheduledSeq = tuple[Sequence, int]  # a request and how many of its tokens run this step
+Row = tuple[int, dict[int, Logprob] | None]  # a sampled token and its logprobs
+
+
+class Drafter(Protocol):
+    """Speculative decoding's seam (spec_decode.py's NgramSpeculator). `schedule_drafts` is called after the
+    running requests are planned, in a step that preempted none: it may set a decode's `spec_token_ids` and
+    add them to its tokens this step. `accept` is called in `update` for a request that had drafts, with its
+    1 + k sampled rows: it returns the rows to append and may roll `num_computed_tokens` back over the
+    rejected drafts. `stats` reports its counters."""
+
+    def schedule_drafts(self, scheduler: Scheduler, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]: ...
+
+    def accept(self, seq: Sequence, rows: list[Row], block_manager: BlockManager) -> list[Row]: ...
+
+    def stats(self) -> dict[str, int | list[int]]: ...
 
 
 class Scheduler:
     """Owns the queues (`waiting`, `running`) and the block manager; plans each step."""
 
     def __init__(self, config: Config, num_blocks: int, block_size: int, max_model_len: int,
-                 eos_token_ids: set[int]) -> None:
+                 eos_token_ids: set[int], drafter: Drafter | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -72,8 +87,7 @@ class Scheduler:
         # (prompt token ids, prompt_logprobs) -> a request whose prompt logprobs the next such request shares.
         # Weak: an entry lives as long as its request (a finished one's rows are as good as any).
         self.prompt_logprobs_owners: weakref.WeakValueDictionary[tuple, Sequence] = weakref.WeakValueDictionary()
-        spec = config.speculative_config  # n-gram drafts for the decodes (spec_decode.py), if asked for
-        self.spec = NgramSpeculator(SpeculativeConfig.from_dict(spec)) if spec is not None else None
+        self.spec = drafter  # drafts for the decodes (spec_decode.py), if asked for
 
     def add(self, seq: Sequence) -> None:
         """Queue seq. If it asks for prompt logprobs, it shares the list of a request with the same prompt

@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Protocol
 
 from nanoserve.detokenizer import Detokenizer
 from nanoserve.sampler import Logprob, SamplingParams
-from nanoserve.structured_outputs import RequestGrammar
+
+
+class Grammar(Protocol):
+    """A request's grammar (structured_outputs.py's RequestGrammar). `append_token` calls `accept` with
+    each sampled token; what it returns, an error or None, becomes the request's `error`."""
+
+    def accept(self, token: int) -> Exception | None: ...
 
 
 class SequenceStatus(enum.Enum):
@@ -27,7 +34,7 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, detokenizer: Detokenizer | None = None,
-                 grammar: RequestGrammar | None = None, arrival_time: float | None = None) -> None:
+                 grammar: Grammar | None = None, arrival_time: float | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params

@@ -26,53 +26,18 @@ rolls back over it and a later step writes over it; blocks that held only reject
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from nanoserve.config import SpeculativeConfig
 from nanoserve.logits_processors import uses_processors
-from nanoserve.sampler import Logprob, is_int, require
+from nanoserve.sampler import Logprob
 from nanoserve.sequence import Sequence
 
 if TYPE_CHECKING:
     from nanoserve.block_manager import BlockManager
     from nanoserve.scheduler import ScheduledSeq, Scheduler
-
-# With this many requests running, a step has no drafts: a large batch is compute-bound, and rejected drafts cost.
-DISABLE_BY_BATCH_SIZE = 8
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """vLLM's `speculative_config` keys for method "ngram". Without prompt_lookup_min and _max both are 5, as in
-    vLLM; with one, the other takes its value. disable_by_batch_size: no drafts while this many requests run
-    (vLLM's default is never; ours is DISABLE_BY_BATCH_SIZE, see docs/speculative-decoding.md)."""
-    num_speculative_tokens: int
-    prompt_lookup_max: int
-    prompt_lookup_min: int
-    disable_by_batch_size: int
-
-    @classmethod
-    def from_dict(cls, config: dict) -> SpeculativeConfig:
-        """Checked: a ValueError names the key at fault."""
-        if not isinstance(config, dict) or config.get("method") != "ngram":
-            raise ValueError(f"speculative_config must be a dict with method 'ngram', got {config!r}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
-        if unknown := sorted(set(config) - known):
-            raise ValueError(f"speculative_config: unknown key(s) {unknown}; valid keys: {sorted(known)}")
-        low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
-        if low is None and high is None:
-            low = high = 5  # vLLM's default
-        values = dict(num_speculative_tokens=config.get("num_speculative_tokens"),
-                      prompt_lookup_min=high if low is None else low, prompt_lookup_max=low if high is None else high,
-                      disable_by_batch_size=config.get("disable_by_batch_size", DISABLE_BY_BATCH_SIZE))
-        for name, value in values.items():
-            require(is_int(value) and value >= 1, f"speculative_config: {name}", config.get(name), "a positive int")
-        if values["prompt_lookup_min"] > values["prompt_lookup_max"]:
-            raise ValueError(f"speculative_config: prompt_lookup_min {low} > prompt_lookup_max {high}")
-        return cls(**values)
-
 
 def propose_ngram(token_ids: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
     """k tokens that followed the most recent earlier occurrence of the last n tokens, for the longest n from
@@ -147,11 +112,3 @@ class NgramSpeculator:
         per_pos = self.num_accepted_tokens_per_pos  # a draft token is accepted only after all those before it
         return dict(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
                     num_accepted_tokens=sum(per_pos), num_accepted_tokens_per_pos=list(per_pos))
-
-
-def sampling_rows(seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
-    """The sampled rows of a step: 1 + k per request (its last token, then each of its k drafts; k = 0 without),
-    with how many tokens the request has sampled before each, so that every row samples as a step without
-    drafts would."""
-    rows = [(seq, j) for seq in seqs for j in range(1 + len(seq.spec_token_ids))]
-    return [seq for seq, _ in rows], [seq.num_tokens - seq.num_prompt_tokens + j for seq, j in rows]

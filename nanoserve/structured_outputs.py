@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from nanoserve.sampler import InvalidRequest, require
+from nanoserve.sampling_params import GrammarSpec, InvalidRequest, require
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -42,7 +42,7 @@ SMALL_SPEC_CHARS = 4096  # a spec this short compiles in a lane of its own, neve
 
 
 @dataclass(frozen=True)
-class StructuredOutputsParams:
+class StructuredOutputsParams(GrammarSpec):
     """Exactly one of: `json`, a JSON schema (a dict, or its text); `json_object=True`, any JSON object;
     `regex`; `choice`, one of these strings; `grammar`, an EBNF grammar (xgrammar's, GBNF-like). vLLM's names."""
     json: dict | str | None = field(default=None, hash=False)

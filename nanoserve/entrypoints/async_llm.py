@@ -156,7 +156,7 @@ class EngineLoop:
         self.engine, self.stat_logger = engine, stat_logger
         self.inbox: queue.Queue[Message] = queue.Queue()
         self.replies: dict[str, ReplyQueue] = {}  # unfinished engine requests -> where their results go
-        self.pending = FairQueue()                 # submitted, not yet handed to the engine
+        self.pending: FairQueue[Submit] = FairQueue()  # submitted, not yet handed to the engine
         self.max_num_seqs = engine.config.max_num_seqs
         # The most engine slots (running or waiting) one client (Submit.client) may hold: the rest stay free for
         # the others' first tokens, whatever one client holds. A stream without a client has no such bound.

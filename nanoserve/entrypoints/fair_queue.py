@@ -10,13 +10,21 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # types only: async_llm.py imports this module
-    from nanoserve.entrypoints.async_llm import Submit
+from typing import Generic, Protocol, TypeVar
 
 
-class FairQueue:
+class Queued(Protocol):
+    """What the queue reads of a request it holds (async_llm.py's Submit): its id and whose turn it takes."""
+    request_id: str
+
+    @property
+    def turn(self) -> Hashable: ...
+
+
+Submit = TypeVar("Submit", bound=Queued)
+
+
+class FairQueue(Generic[Submit]):
     """Requests submitted but not yet handed to the engine: one FIFO per client (`Submit.turn`), taken
     round-robin across clients. The engine's own waiting queue is first come, first
     served, so handing it a 1,000 x n=128 fan-out at once would put 128,000 requests before the next

@@ -29,6 +29,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from nanoserve import RequestOutput
+from nanoserve.entrypoints.openai.chat_api import ChatAPI
 from nanoserve.entrypoints.openai.protocol import (
     APIError,
     ChatBody,
@@ -38,7 +39,7 @@ from nanoserve.entrypoints.openai.protocol import (
     read_json,
     shorten,
 )
-from nanoserve.entrypoints.openai.serving_chat import ChatAPI, serve_chat
+from nanoserve.entrypoints.openai.serving_chat import serve_chat
 from nanoserve.entrypoints.openai.serving_engine import Serving
 from nanoserve.entrypoints.openai.streaming import EventStream, Generation
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 
+from nanoserve.entrypoints.openai.chat_api import ChatAPI
 from nanoserve.entrypoints.openai.grammar_bounds import check_bounds
 from nanoserve.entrypoints.openai.protocol import (
     APIError,
@@ -29,7 +30,6 @@ from nanoserve.entrypoints.openai.protocol import (
     Tool,
     shorten,
 )
-from nanoserve.entrypoints.openai.serving_chat import ChatAPI
 from nanoserve.entrypoints.openai.serving_engine import Shown
 from nanoserve.entrypoints.openai.tool_parsers import (
     Parser,
