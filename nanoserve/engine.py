@@ -21,15 +21,15 @@ from nanoserve.config import Config, SpeculativeConfig, cdiv
 from nanoserve.detokenizer import Detokenizer
 from nanoserve.device import resolve_device
 from nanoserve.distributed import check_tensor_parallel
+from nanoserve.extensions.parallel import TensorParallelRunner
+from nanoserve.extensions.spec_decode import NgramSpeculator
+from nanoserve.extensions.structured_outputs import GrammarCompiler, fail_grammars, grammars_pending, wait_for_grammars
 from nanoserve.model_runner import ModelRunner
 from nanoserve.models.loader import read_config
 from nanoserve.outputs import RequestOutput, StepResult, request_delta, request_output
-from nanoserve.parallel import TensorParallelRunner
 from nanoserve.sampler import InvalidRequest, SamplingParams, require
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
-from nanoserve.spec_decode import NgramSpeculator
-from nanoserve.structured_outputs import GrammarCompiler, fail_grammars, grammars_pending, wait_for_grammars
 from nanoserve.tokenizer import load_tokenizer, read_eos_token_ids, tokenize
 
 

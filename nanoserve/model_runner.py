@@ -11,12 +11,12 @@ import torch
 
 from nanoserve.attention import select_attention
 from nanoserve.batch import Batch, build_batch, prompt_logprob_positions, samples_now, sampling_rows
-from nanoserve.compilation import compile_model
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config, cdiv
-from nanoserve.cuda_graphs import capture_graphs
 from nanoserve.device import free_memory, resolve_dtype
 from nanoserve.distributed import Shard, broadcast_from_rank0
-from nanoserve.logits_processors import process_logits
+from nanoserve.extensions.compilation import compile_model
+from nanoserve.extensions.cuda_graphs import capture_graphs
+from nanoserve.extensions.logits_processors import process_logits
 from nanoserve.models import get_head_dim
 from nanoserve.models.loader import load_model, read_config
 from nanoserve.sampler import Logprob, SamplerOutput, SamplingParams, sample, top_logprobs

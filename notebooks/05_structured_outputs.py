@@ -27,7 +27,7 @@ import torch
 import xgrammar as xgr
 
 from nanoserve import DEFAULT_MODEL, LLM, SamplingParams
-from nanoserve.structured_outputs import StructuredOutputsParams
+from nanoserve.extensions.structured_outputs import StructuredOutputsParams
 
 llm = LLM(DEFAULT_MODEL)
 engine, tokenizer = llm.engine, llm.engine.tokenizer

@@ -18,7 +18,7 @@ Needs torch, transformers and the test extra (pytest); flash-attn is optional, t
      GPU: tokens/s side by side and the share of equal tokens;
   6. per decode step at batch 32: kernel launches and host syncs (torch.profiler);
   7. peak memory against the budget: the KV cache, the peak allocated, gpu_memory_utilization x total;
-  8. CUDA graphs (nanoserve/cuda_graphs.py), on the same ~1B Llama in bfloat16 with the flash backend
+  8. CUDA graphs (nanoserve/extensions/cuda_graphs.py), on the same ~1B Llama in bfloat16 with the flash backend
      (flash-attn where installed, else a stand-in a graph can capture: see `graph_safe_flash_attn`):
      decode graphs over the eager model against the eager model, token for token at batch 1, 32 and
      256 (graph sizes, so the same kernels run); tok/s at each, eager against `enforce_eager=False`
@@ -50,10 +50,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from test_gpu import ENGINE, agreement, hf_generate, run_engine, workload  # noqa: E402
 
 from flash_reference import FlashReference, fake_flash_attn_module  # noqa: E402
-from nanoserve import LLM, SamplingParams, attention, cuda_graphs  # noqa: E402
+from nanoserve import LLM, SamplingParams, attention  # noqa: E402
 from nanoserve.attention import attend, gather_blocks, select_attention  # noqa: E402
 from nanoserve.config import cdiv  # noqa: E402
 from nanoserve.device import resolve_dtype  # noqa: E402
+from nanoserve.extensions import cuda_graphs  # noqa: E402
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=256, max_position_embeddings=256, initializer_range=0.1)

@@ -14,9 +14,9 @@ import time
 
 import torch
 
-import nanoserve.logits_processors as logits_processors
+import nanoserve.extensions.logits_processors as logits_processors
 from nanoserve import LLM, SamplingParams
-from nanoserve.structured_outputs import RequestGrammar, StructuredOutputsParams
+from nanoserve.extensions.structured_outputs import RequestGrammar, StructuredOutputsParams
 
 # A long answer: the requests are still inside the grammar over the timed steps.
 SCHEMA = {"type": "object", "properties": {

@@ -1,4 +1,5 @@
-"""One weight row before and after int8 quantization (nanoserve/quantization.py), and why the scale is per row.
+"""One weight row before and after int8 quantization (nanoserve/extensions/quantization.py), and why the scale
+is per row.
 
     python scripts/int8_row.py SMOLLM2_FOLDER [--tensor model.layers.0.self_attn.q_proj.weight] [--row 0]
 
@@ -16,8 +17,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from nanoserve.extensions.quantization import Int8Linear
 from nanoserve.models.loader import index_checkpoint
-from nanoserve.quantization import Int8Linear
 
 
 def quantize(weight: torch.Tensor) -> Int8Linear:

@@ -27,12 +27,12 @@ CORE = {
 
 # Features that plug into the core; the core must run with none of them importable.
 EXTENSIONS = {
-    "nanoserve.spec_decode",
-    "nanoserve.structured_outputs",
-    "nanoserve.logits_processors",
-    "nanoserve.compilation",
-    "nanoserve.cuda_graphs",
-    "nanoserve.quantization",
+    "nanoserve.extensions.spec_decode",
+    "nanoserve.extensions.structured_outputs",
+    "nanoserve.extensions.logits_processors",
+    "nanoserve.extensions.compilation",
+    "nanoserve.extensions.cuda_graphs",
+    "nanoserve.extensions.quantization",
     "nanoserve.entrypoints",
 }
 
@@ -41,15 +41,15 @@ EXTENSIONS = {
 # removes it here; this list only shrinks, and a new core -> extension import fails the test.
 ALLOWED_CORE_TO_EXTENSION = {
     # LLMEngine builds the n-gram drafter that the scheduler's Drafter seam takes.
-    ("nanoserve.engine", "nanoserve.spec_decode"),
+    ("nanoserve.engine", "nanoserve.extensions.spec_decode"),
     # add_request compiles a request's grammar; step waits for pending grammars and fails broken ones.
-    ("nanoserve.engine", "nanoserve.structured_outputs"),
+    ("nanoserve.engine", "nanoserve.extensions.structured_outputs"),
     # The runner compiles the decoder layers (compile_model): no step-executor seam yet.
-    ("nanoserve.model_runner", "nanoserve.compilation"),
+    ("nanoserve.model_runner", "nanoserve.extensions.compilation"),
     # The runner captures and replays decode CUDA graphs (capture_graphs).
-    ("nanoserve.model_runner", "nanoserve.cuda_graphs"),
+    ("nanoserve.model_runner", "nanoserve.extensions.cuda_graphs"),
     # The runner applies penalties, min_p, logit_bias, min_tokens and grammar masks (process_logits).
-    ("nanoserve.model_runner", "nanoserve.logits_processors"),
+    ("nanoserve.model_runner", "nanoserve.extensions.logits_processors"),
 }
 
 

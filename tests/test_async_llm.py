@@ -217,7 +217,7 @@ def test_metrics_count_every_finish_once_whoever_made_it_and_forget_its_id():
     Catches: the engine loop skipping every "abort" output (it assumed the loop had made them all): the engine's
     own aborts never counted, their ids kept for good; a failed request answered with its output."""
     from nanoserve.entrypoints.openai.metrics import Metrics
-    from nanoserve.structured_outputs import StructuredOutputsParams
+    from nanoserve.extensions.structured_outputs import StructuredOutputsParams
     engine = new_engine()
     metrics = Metrics("m", engine.model_runner.num_blocks - 1)
     prompt = engine.tokenizer.encode(PROMPTS[0])

@@ -1,4 +1,4 @@
-"""The compiled step (nanoserve/compilation.py): token-exact with transformers as the eager step is,
+"""The compiled step (nanoserve/extensions/compilation.py): token-exact with transformers as the eager step is,
 compiled in the warm-up and never again while serving, and eager after one log line where compiling
 fails. Compiling costs seconds per model and process (later engines of the same model reuse it), so
 these tests keep to two tiny models."""
@@ -12,36 +12,37 @@ from test_engine import MAX_TOKENS, PROMPTS, SETUPS
 from torch._dynamo.utils import counters
 
 from conftest import greedy, reference
-from nanoserve import LLM, SamplingParams, compilation
+from nanoserve import LLM, SamplingParams
 from nanoserve.device import X86
+from nanoserve.extensions import compilation
 from nanoserve.layers import linear
 
 
-def run_without_recompiles(llm: LLM, prompts: list[list[int]], max_tokens: list[int],
-                           monkeypatch) -> list[list[int]]:
+def run_without_recompiles(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     """Generate; any recompilation after the warm-up is an error (torch's own check), and the number
-    of graphs compiled stays what the warm-up left."""
+    of graphs compiled stays what the warm-up left. The option is set through torch's own `patch`, which
+    restores it: pytest's monkeypatch would delete it from torch's config module on undo (pytest >= 9.1)."""
     graphs = counters["stats"]["unique_graphs"]
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-    outputs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        outputs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
     assert counters["stats"]["unique_graphs"] == graphs
     return [o.token_ids for o in outputs]
 
 
 @pytest.mark.parametrize("setup", ["block_size_4", "chunked_prefill", "preemption"])
 @pytest.mark.parametrize("model", ["gqa", "qwen2"])
-def test_compiled_step_matches_transformers(tiny_models, model, setup, monkeypatch):
+def test_compiled_step_matches_transformers(tiny_models, model, setup):
     """test_engine.py's parity test (eager) with enforce_eager=False: mixed batches, prompt chunks beside
     decodes, preemption; Qwen2 for its q, k, v biases."""
     llm = LLM(tiny_models[model], enforce_eager=False, **SETUPS[setup])
     assert llm.engine.model_runner.compiled
-    assert run_without_recompiles(llm, PROMPTS, MAX_TOKENS, monkeypatch) == reference(tiny_models[model],
+    assert run_without_recompiles(llm, PROMPTS, MAX_TOKENS) == reference(tiny_models[model],
                                                                                       PROMPTS, MAX_TOKENS)
     if setup == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
 
 
-def test_a_long_mixed_run_never_recompiles(tiny_models, monkeypatch):
+def test_a_long_mixed_run_never_recompiles(tiny_models):
     """Prompt chunks, decodes of 1 to 8 rows, one-token prompts, preemption, all in one run: each step's N
     differs, and the warm-up's graphs serve them all."""
     rng = random.Random(1)
@@ -49,7 +50,7 @@ def test_a_long_mixed_run_never_recompiles(tiny_models, monkeypatch):
     max_tokens = [rng.randint(1, 30) for _ in prompts]
     llm = LLM(tiny_models["gqa"], enforce_eager=False, block_size=4, num_kvcache_blocks=24, max_model_len=64,
               max_num_batched_tokens=16, max_num_seqs=8)
-    assert run_without_recompiles(llm, prompts, max_tokens, monkeypatch) == reference(tiny_models["gqa"], prompts,
+    assert run_without_recompiles(llm, prompts, max_tokens) == reference(tiny_models["gqa"], prompts,
                                                                                       max_tokens)
     assert llm.engine.scheduler.num_preemptions > 0
 

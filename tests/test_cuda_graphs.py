@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (nanoserve/cuda_graphs.py), checked on the CPU: a graph cannot be captured
+"""CUDA graphs for decode steps (nanoserve/extensions/cuda_graphs.py), checked on the CPU: a graph cannot be captured
 here, so `capture` is replaced by one whose replay runs the captured function again. It reads the same
 static tensors a CUDA graph would, so what is checked is everything around the capture: which graph a
 step picks, the rows copied in, the padding rows, lm_head on the rows that sample. The flash backend runs
@@ -14,9 +14,10 @@ from test_engine import MAX_TOKENS, PROMPTS
 
 from conftest import greedy, reference
 from flash_reference import FlashReference, fake_flash_attn_module
-from nanoserve import LLM, SamplingParams, cuda_graphs, model_runner
+from nanoserve import LLM, SamplingParams, model_runner
 from nanoserve.batch import build_batch
 from nanoserve.config import Config, cdiv
+from nanoserve.extensions import cuda_graphs
 from nanoserve.sequence import Sequence
 
 

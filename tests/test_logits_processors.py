@@ -11,7 +11,7 @@ from transformers import (
 )
 
 from nanoserve import DEFAULT_MODEL, LLM, SamplingParams
-from nanoserve.logits_processors import process_logits
+from nanoserve.extensions.logits_processors import process_logits
 from nanoserve.sampler import apply_min_p, apply_top_k_top_p
 from nanoserve.sequence import Sequence
 

@@ -1,4 +1,4 @@
-"""Int8 weight-only quantization (nanoserve/quantization.py): the layer's products equal a matmul by its
+"""Int8 weight-only quantization (nanoserve/extensions/quantization.py): the layer's products equal a matmul by its
 dequantized weight, the engine is token-exact with transformers running weights dequantized by the
 rule written out here (`quantize_by_hand`), alone, compiled and under tensor parallelism, and bad
 values are named errors."""
@@ -13,8 +13,8 @@ import conftest
 from conftest import greedy
 from nanoserve import LLM
 from nanoserve.config import Config
+from nanoserve.extensions.quantization import Int8Linear, check_kernel
 from nanoserve.models.loader import load_model
-from nanoserve.quantization import Int8Linear, check_kernel
 
 
 def quantize_by_hand(weight: torch.Tensor) -> torch.Tensor:

@@ -6,12 +6,13 @@ from concurrent.futures import Future
 
 import pytest
 
-from nanoserve import DEFAULT_MODEL, LLM, SamplingParams, logits_processors
+from nanoserve import DEFAULT_MODEL, LLM, SamplingParams
 from nanoserve.config import Config
+from nanoserve.extensions import logits_processors
+from nanoserve.extensions.structured_outputs import RequestGrammar, StructuredOutputsParams
 from nanoserve.sampler import InvalidRequest
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
-from nanoserve.structured_outputs import RequestGrammar, StructuredOutputsParams
 
 PROMPTS = ["It is a truth universally acknowledged", "Mr. Darcy said", "Emma was"]
 DEAD_END = 'root ::= "a" x\nx ::= x'  # "a" is allowed, then nothing: the mask is empty at the second token

@@ -15,7 +15,7 @@ import conftest
 from conftest import build_tiny_llama, greedy
 from nanoserve import DEFAULT_MODEL, LLM, SamplingParams
 from nanoserve.config import cdiv
-from nanoserve.spec_decode import propose_ngram
+from nanoserve.extensions.spec_decode import propose_ngram
 from nanoserve.trace import format_step
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,

@@ -11,9 +11,9 @@ import pytest
 
 from nanoserve import DEFAULT_MODEL, LLM, SamplingParams
 from nanoserve.config import Config
+from nanoserve.extensions.structured_outputs import GrammarCompiler, RequestGrammar, StructuredOutputsParams
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
-from nanoserve.structured_outputs import GrammarCompiler, RequestGrammar, StructuredOutputsParams
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "minLength": 2, "maxLength": 12},

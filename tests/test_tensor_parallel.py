@@ -21,9 +21,9 @@ from conftest import greedy
 from nanoserve import LLM
 from nanoserve.config import Config
 from nanoserve.distributed import Shard, check_tensor_parallel
+from nanoserve.extensions.parallel import Workers
 from nanoserve.models import loader
 from nanoserve.models.loader import load_model, read_config
-from nanoserve.parallel import Workers
 
 # Chunked prefill (8 tokens a step), preemption (18 blocks of 4 for 6 requests) and prefix-cache
 # hits (prompts 3 and 4 share a prefix with prompt 0) in one run.

@@ -25,9 +25,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from nanoserve.distributed import Shard
+from nanoserve.extensions.quantization import quantize_linears
 from nanoserve.layers.linear import pack_linears
 from nanoserve.models.llama import LlamaForCausalLM
-from nanoserve.quantization import quantize_linears
 
 # The class that runs each architecture a config.json may name (its `architectures`), as in vLLM's registry.
 MODELS: dict[str, Callable[..., nn.Module]] = {

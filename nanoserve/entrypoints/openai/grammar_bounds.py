@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+from nanoserve.extensions.structured_outputs import is_json
 from nanoserve.sampler import InvalidRequest
-from nanoserve.structured_outputs import is_json
 
 
 def check_bounds(spec: dict[str, Any], max_bytes: int, max_depth: int) -> None:

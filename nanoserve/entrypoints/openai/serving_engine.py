@@ -29,8 +29,8 @@ from nanoserve.entrypoints.async_llm import AsyncLLM
 from nanoserve.entrypoints.openai.grammar_bounds import check_bounds
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.protocol import APIError, Limits, SamplingBody, given, shorten
+from nanoserve.extensions.structured_outputs import StructuredOutputsParams
 from nanoserve.sampler import InvalidRequest, Logprob
-from nanoserve.structured_outputs import StructuredOutputsParams
 
 T = TypeVar("T")
 

@@ -41,8 +41,8 @@ from nanoserve.entrypoints.openai.tool_parsers import (
     parse_llama3_json,
     parse_required,
 )
+from nanoserve.extensions.structured_outputs import StructuredOutputsParams, parse_grammar
 from nanoserve.sampler import InvalidRequest
-from nanoserve.structured_outputs import StructuredOutputsParams, parse_grammar
 
 MAX_TOOLS = 128                                # tools in one request: OpenAI's limit
 MAX_TOOLS_BYTES = 2**18                        # their JSON together; more: 400

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from nanoserve.extensions.structured_outputs import apply_grammar_masks
 from nanoserve.sampler import InvalidRequest, SamplingParams
 from nanoserve.sequence import Sequence
-from nanoserve.structured_outputs import apply_grammar_masks
 
 
 def has_penalties(p: SamplingParams) -> bool:

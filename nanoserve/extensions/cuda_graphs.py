@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from nanoserve.batch import Batch, build_batch
-from nanoserve.compilation import Runner, describe
 from nanoserve.config import Config, cdiv
+from nanoserve.extensions.compilation import Runner, describe
 from nanoserve.sampler import SamplingParams
 from nanoserve.sequence import Sequence
 

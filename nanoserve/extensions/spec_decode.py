@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from nanoserve.config import SpeculativeConfig
-from nanoserve.logits_processors import uses_processors
+from nanoserve.extensions.logits_processors import uses_processors
 from nanoserve.sampler import Logprob
 from nanoserve.sequence import Sequence
 
