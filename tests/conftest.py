@@ -5,6 +5,7 @@ Tests run on the CPU even where CUDA exists (LLM() would pick it, in bfloat16, a
 references), their subprocesses too; only tests marked `gpu` see the GPU, and they are skipped
 without one."""
 import functools
+import importlib
 import json
 import os
 
@@ -16,11 +17,18 @@ from nanoserve import SamplingParams
 
 HAS_CUDA = torch.cuda.is_available()  # asked before any test hides the GPU (CUDA reads its env once)
 
+# torch's process-wide settings as the suite found them, before any test ran: tests/test_settings_restored.py,
+# which runs last, finds them unchanged (a test must change them through torch's own `patch`, which restores)
+TORCH_CONFIGS = {name: importlib.import_module(name)
+                 for name in ("torch._dynamo.config", "torch._inductor.config", "torch.fx.experimental._config")}
+SETTINGS_AT_START = {name: module.get_config_copy() for name, module in TORCH_CONFIGS.items()}
+
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") and not HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+    items.sort(key=lambda item: item.path.name == "test_settings_restored.py")  # stable: that file runs last
 
 
 @pytest.fixture(autouse=True)
