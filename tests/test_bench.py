@@ -1,5 +1,9 @@
 """Smoke test: the benchmark runs end to end on a tiny model with a handful of requests.
 Benchmarks are not tests: nothing here checks a speed."""
+import pytest
+
+# Test extras (pyproject.toml's [test]) this module needs: without one it is skipped, not an error
+pytest.importorskip("httpx")
 import json
 import os
 import subprocess
@@ -8,7 +12,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 import torch
 
 import nanoserve

@@ -1,13 +1,16 @@
 """The `nanoserve` command (nanoserve/entrypoints/cli.py): its commands reach the server's, the
 benchmarks' and the engine's code with their arguments, and a mistake is one line and exit status 2."""
+import pytest
+
+# Test extras (pyproject.toml's [test]) this module needs: without one it is skipped, not an error
+pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
 import importlib
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 import nanoserve
 import nanoserve.bench

@@ -10,10 +10,13 @@ token in a preemption, sees different KV and the test fails; first-come-first-se
 checked too. Then a few random workloads end to end through LLMEngine on a tiny Llama, compared with
 transformers.
 """
+import pytest
+
+# Test extras (pyproject.toml's [test]) this module needs: without one it is skipped, not an error
+pytest.importorskip("hypothesis")
 import random
 from dataclasses import dataclass
 
-import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 

@@ -3,12 +3,17 @@ committed with its outputs, so that it reads well on the web without being run.
 
 Every notebook runs top to bottom on a fresh kernel here: their asserts (the numbers of docs/walkthrough.md,
 outputs equal with and without prefix caching or preemption, ...) are tests too."""
+import pytest
+
+# Test extras (pyproject.toml's [test]) this module needs: without one it is skipped, not an error
+pytest.importorskip("jupytext")
+pytest.importorskip("nbformat")
+pytest.importorskip("nbclient")
 import os
 from pathlib import Path
 
 import jupytext
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"

@@ -1,5 +1,13 @@
 """The OpenAI-compatible server (nanoserve/entrypoints/openai/), started on 127.0.0.1 and a free port, against
 the bundled model with a chat template added; replies must equal LLM.generate / LLM.chat offline."""
+import pytest
+
+# Test extras (pyproject.toml's [test]) this module needs: without one it is skipped, not an error
+pytest.importorskip("httpx")
+pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
 import json
 import logging
 import shutil
@@ -10,7 +18,6 @@ from dataclasses import replace
 
 import httpx
 import openai
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import nanoserve

@@ -2,10 +2,14 @@
 
 The completions API numbers the choices prompt by prompt, n per prompt (choice i is completion i % n
 of prompt i // n, as in vLLM and OpenAI), so the prompt a choice echoes is found by the same rule."""
+import pytest
+
+# Test extras (pyproject.toml's [test]) this module needs: without one it is skipped, not an error
+pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
 import json
 
 import httpx
-import pytest
 
 import nanoserve
 from nanoserve import LLMEngine

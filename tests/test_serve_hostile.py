@@ -1,6 +1,11 @@
 """The server under hostile load (nanoserve/entrypoints/openai/): every connection answers at once
 (TCP_NODELAY), no request holds the tokenizer thread or the event loop for long, and the small
 promises (one-line option errors, empty prompts refused, text_offset one frame) hold."""
+import pytest
+
+# Test extras (pyproject.toml's [test]) this module needs: without one it is skipped, not an error
+pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
 import asyncio
 import gc
 import json
@@ -10,7 +15,6 @@ import threading
 import time
 
 import httpx
-import pytest
 from test_serve import KEY, NAME, PROMPTS, events, model_path, offline, post, start_server  # noqa: F401 (fixtures)
 
 import nanoserve

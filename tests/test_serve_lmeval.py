@@ -10,6 +10,11 @@ top_logprobs of each token's own position (only is_greedy sees that one: the tas
 answer is the model's greedy continuation), and prompt logprobs of prompts the prefix cache has seen
 (block_size 4, shared contexts, a repeated item). lm-eval sorts a batch's choices by index, so their
 order is tested in test_serve_logprobs.py."""
+import pytest
+
+# Test extras (pyproject.toml's [test]) this module needs: without one it is skipped, not an error
+pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
 import json
 import os
 import re
@@ -20,7 +25,6 @@ import sys
 import time
 
 import httpx
-import pytest
 from transformers import AutoTokenizer
 
 import nanoserve

@@ -2,11 +2,16 @@
 client or as JSON: logprob values against transformers' log_softmax on the same weights (float32),
 token strings against the tokenizer's decode of each token alone (as vLLM writes them), choices
 against LLM.generate / LLM.chat offline, completion i of a prompt seeded seed + i."""
+import pytest
+
+# Test extras (pyproject.toml's [test]) this module needs: without one it is skipped, not an error
+pytest.importorskip("httpx")
+pytest.importorskip("openai")
+pytest.importorskip("fastapi")
 import itertools
 
 import httpx
 import openai
-import pytest
 import torch
 from test_serve import KEY, NAME, PROMPTS, events, model_path, offline, post, start_server  # noqa: F401 (fixtures)
 from transformers import AutoModelForCausalLM

@@ -1,10 +1,13 @@
 """POST /v1/responses (serving_responses.py) through the openai client's responses.create and its stream
 helper: plain, streamed, with text.format json_schema and with function tools, each against the same
 request on /v1/chat/completions; the stateless fields' 400s."""
+import pytest
+
+# Test extras (pyproject.toml's [test]) this module needs: without one it is skipped, not an error
+pytest.importorskip("jsonschema")
 import json
 
 import jsonschema
-import pytest
 from test_serve import NAME, model_path, post  # noqa: F401 (a fixture)
 from test_serve_tools import MESSAGES, TOOLS, WEATHER, client, server  # noqa: F401 (fixtures)
 

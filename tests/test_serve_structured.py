@@ -1,10 +1,14 @@
 """Structured outputs and the penalties through the OpenAI-compatible server: the `openai` client's
 chat.completions.parse() with a pydantic model, response_format, vLLM's structured_outputs extra."""
+import pytest
+
+# Test extras (pyproject.toml's [test]) this module needs: without one it is skipped, not an error
+pytest.importorskip("jsonschema")
+pytest.importorskip("pydantic")
 import json
 from typing import Literal
 
 import jsonschema
-import pytest
 from pydantic import BaseModel, Field
 from test_serve import ENGINE, NAME, model_path, post  # noqa: F401 (a fixture)
 from test_serve_logprobs import client, server  # noqa: F401 (fixtures: a server with an API key, its openai client)

@@ -3,12 +3,17 @@ follow their schemas, hermes calls are read under tool_choice "auto" and never u
 the calls whole responses give, conversations with calls reach the chat template, and every bad tools
 field is a 400 naming it. The server runs the bundled model with --chat-template set to TOOLS_TEMPLATE and
 --enable-auto-tool-choice --tool-call-parser hermes."""
+import pytest
+
+# Test extras (pyproject.toml's [test]) this module needs: without one it is skipped, not an error
+pytest.importorskip("httpx")
+pytest.importorskip("jsonschema")
+pytest.importorskip("openai")
 import json
 
 import httpx
 import jsonschema
 import openai
-import pytest
 from test_serve import NAME, model_path, post  # noqa: F401 (a fixture)
 
 from nanoserve import LLMEngine

@@ -1,10 +1,13 @@
 """The walkthrough (docs/walkthrough.md) replayed on a real engine (a tiny random Llama), and the
 step traces that show it."""
+import pytest
+
+# Test extras (pyproject.toml's [test]) this module needs: without one it is skipped, not an error
+pytest.importorskip("matplotlib")
 import sys
 from pathlib import Path
 
 import matplotlib
-import pytest
 
 from conftest import build_tiny_llama
 from nanoserve import LLM, SamplingParams
