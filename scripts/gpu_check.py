@@ -1,4 +1,4 @@
-"""Check nanoserve on one GPU in one command, and print the results as one markdown table.
+"""Check nanoserve on one GPU in one command, and print the results as one markdown table, row by row.
 
     python scripts/gpu_check.py            # on a CUDA machine: a few minutes on one H200
     python scripts/gpu_check.py --dry-run  # the same code on the CPU with tiny sizes (the test suite runs it)
@@ -25,6 +25,8 @@ Needs torch, transformers and the test extra (pytest); flash-attn is optional, t
      (compiled, with graphs); and host-side kernel launches per decode step of each.
      With --dry-run a graph is not captured (no CUDA): its replay runs the captured function again.
 A failing check is a FAIL row (with its error), never the end of the run; the exit status is 1 if any failed.
+Each row is printed (and appended to --out) as soon as it is known, and the checks not started within --budget
+seconds (230 on a GPU) are SKIP rows, so that a run cut short still reports what it measured.
 """
 from __future__ import annotations
 
@@ -349,7 +351,9 @@ def count_launches(llm: LLM, device: str, prompts: list[list[int]], max_tokens: 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="the same checks on the CPU with tiny sizes")
-    parser.add_argument("--out", help="also write the table to this file")
+    parser.add_argument("--out", help="also write the table to this file, row by row")
+    parser.add_argument("--budget", type=float, help="seconds (default 230 on a GPU, none with --dry-run): "
+                                                       "checks not started by then are SKIP rows")
     args = parser.parse_args()
     device = "cpu" if args.dry_run else "cuda"
     if not args.dry_run and not torch.cuda.is_available():
@@ -365,22 +369,34 @@ def main() -> int:
               ("flash contract", lambda: check_flash_contract(tiny, device, max_tokens)),
               ("decoding", lambda: check_decoding(big, device, *decode)),
               ("CUDA graphs", lambda: check_graphs(big, device, *decode))]
+    header = f"{'Dry run on the CPU' if args.dry_run else 'On ' + torch.cuda.get_device_name()}:\n\n" \
+             "| check | result | detail |\n|---|---|---|\n"
+    emit(header, args.out, mode="w")
     rows: list[Row] = []
+    budget = args.budget if args.budget is not None else float("inf") if args.dry_run else 230
+    deadline = time.perf_counter() + budget
     for name, check in checks:
         start = time.perf_counter()
-        try:
-            rows += check()
-        except Exception as error:  # one failed check is a row, the others still run
-            traceback.print_exc()
-            rows.append((name, "FAIL", f"{type(error).__name__}: {error}".replace("\n", " ")[:300]))
+        if start > deadline:  # a run cut short still says what it skipped
+            new = [(name, "SKIP", f"out of time: the run's budget of {budget:.0f} s was spent")]
+        else:
+            try:
+                new = check()
+            except Exception as error:  # one failed check is a row, the others still run
+                traceback.print_exc()
+                new = [(name, "FAIL", f"{type(error).__name__}: {error}".replace("\n", " ")[:300])]
+        rows += new
+        emit("".join(f"| {c} | {r} | {d} |\n" for c, r, d in new), args.out)  # each row as soon as it is known
         print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    table = "\n".join(["| check | result | detail |", "|---|---|---|"] + [f"| {c} | {r} | {d} |" for c, r, d in rows])
-    table = f"{'Dry run on the CPU' if args.dry_run else 'On ' + torch.cuda.get_device_name()}:\n\n{table}\n"
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table)
     return 1 if any(r == "FAIL" for _, r, _ in rows) else 0
 
+
+def emit(text: str, out: str | None, mode: str = "a") -> None:
+    """Print `text` now, and append it to `out` too: a run cut short keeps every row it had."""
+    print(text, end="", flush=True)
+    if out:
+        with open(out, mode) as f:
+            f.write(text)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -114,6 +114,20 @@ def test_gpu_check_dry_run_runs_every_check_on_the_cpu():
     assert "| FAIL |" not in result.stdout
 
 
+def test_gpu_check_out_of_time_still_writes_every_row(tmp_path):
+    """With its budget spent before the first check, the GPU check still writes its table to --out: a SKIP row
+    naming each check. Catches a run that writes nothing until the end, or drops the checks it had no time for."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    out = tmp_path / "table.md"
+    result = subprocess.run([sys.executable, str(script), "--dry-run", "--budget", "0", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "| check |" not in line]
+    assert [row.split(" | ")[0] for row in rows] == ["| environment", "| pytest -m gpu", "| engine vs transformers",
+                                                    "| flash contract", "| decoding", "| CUDA graphs"]
+    assert all("| SKIP | out of time" in row for row in rows)
+
+
 def test_tests_not_marked_gpu_run_on_the_cpu(tiny_models):
     """conftest hides CUDA from this test, so LLM() picks the CPU even on a GPU machine, and so do the
     subprocesses a test starts. The bug: on a GPU box, tests ran in bfloat16 on CUDA against float32
