@@ -104,6 +104,16 @@ def test_nanovllm_workload_prints_nano_vllms_table(tiny_models, capsys):
     assert [row[1] for row in rows] == [f"{sum(r.output_len for r in workload):,}"] * 2
 
 
+# Catches: transformers' continuous batching under --max-seconds (its requests stream) counting each streamed
+# output rather than each request's newest one, or a capped run that ran to the end reported as cut short.
+def test_hf_continuous_batching_with_a_time_cap_counts_each_request_once(tiny_models):
+    workload = make_workload(4, (5, 12), (3, 9), 256, 0, temperature=0.6)
+    capped = throughput.run_hf_continuous(tiny_models["gqa"], workload, "float32", max_seconds=600)
+    assert capped.engine == "hf-cb"
+    assert capped.output_tokens == sum(r.output_len for r in workload)
+    assert len(capped.ttft) == len(workload)
+
+
 # Catches: requests admitted in the same step not sharing the system prompt (the bug: each computed
 # it), or cached tokens not counted.
 def test_shared_prefix_workload_computes_the_system_prompt_once(tmp_path, capsys):

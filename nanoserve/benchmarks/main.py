@@ -6,7 +6,7 @@ point: every engine runs on the same machine in the same run.
     python -m nanoserve.bench --dtype bfloat16      # every engine in bfloat16
     python -m nanoserve.bench --engines nanoserve,static --num-requests 16
     python -m nanoserve.bench --online --rates 2,4,8     # Poisson arrivals: TTFT, TPOT and goodput vs request rate
-    python -m nanoserve.bench --workload nanovllm        # nano-vllm's bench.py, scaled to a CPU
+    python -m nanoserve.bench --workload nanovllm        # nano-vllm's bench.py, scaled to a CPU; its own shape on a GPU
     python -m nanoserve.bench --workload shared-prefix   # 32 requests, one 256-token system prompt, all at once
     python -m nanoserve.bench --profile-decode 48        # where one decode step of 48 requests spends its time
     python -m nanoserve.bench --server http://127.0.0.1:8000 --rates 2,4,8   # the same load over HTTP + SSE
@@ -57,9 +57,14 @@ def make_parser(prog: str = "python -m nanoserve.bench") -> argparse.ArgumentPar
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, from {ENGINES}")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--kv-cache-tokens", type=int, default=8192,
-                   help="nanoserve's KV cache size for both schedulers: the memory a static batch must reserve")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="every engine's dtype")
+    p.add_argument("--kv-cache-tokens", type=int,
+                   help="nanoserve's KV cache size for both schedulers: the memory a static batch must reserve "
+                        "(default 8192; with --workload nanovllm on a GPU, what gpu_memory_utilization leaves)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="every engine's dtype (default float32; bfloat16 with --workload nanovllm on a GPU)")
+    p.add_argument("--max-seconds", type=float,
+                   help="stop transformers' continuous batching (hf-cb) after this long and report its rate so far "
+                        "(default 60 with --workload nanovllm on a GPU, where a whole run takes it half an hour)")
     p.add_argument("--quantization", choices=("int8",),
                    help="nanoserve's weights int8, a scale per output channel (docs/quantization.md); with "
                         "--llama-cpp, set it beside a Q8_0 --gguf")
@@ -94,8 +99,10 @@ def make_parser(prog: str = "python -m nanoserve.bench") -> argparse.ArgumentPar
     p.add_argument("--workload", default="random", choices=("random", "nanovllm", "shared-prefix"),
                    help="random: --num-requests of --input-len and --output-len, greedy. nanovllm: nano-vllm's "
                         "bench.py (256 requests, prompts and outputs of 100-1024 tokens, temperature 0.6) scaled "
-                        "to a CPU: 64 requests of 13-128 tokens. shared-prefix: 32 requests, one 256-token system "
-                        "prompt plus 16-64 tokens each, outputs of 16-64, prefix caching on and off")
+                        "to a CPU: 64 requests of 13-128 tokens; on a GPU its own shape on a random model of "
+                        "Qwen3-0.6B's shape in bfloat16, beside transformers' continuous batching. shared-prefix: "
+                        "32 requests, one 256-token system prompt plus 16-64 tokens each, outputs of 16-64, prefix "
+                        "caching on and off")
     p.add_argument("--api-key", help="with --server: sent as a Bearer token")
     return p
 
@@ -116,7 +123,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.bench")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(describe_cpu())
-    path = args.model or build_default_model(os.path.join(tempfile.gettempdir(), "nanoserve-bench"))
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # nano-vllm's own shape where a GPU runs it: its 256 requests of 100-1024 tokens, on its model's shape
+    nanovllm_gpu = args.workload == "nanovllm" and device == "cuda"
+    if nanovllm_gpu:
+        args.workload = "nanovllm-gpu"
+        args.dtype = args.dtype or "bfloat16"
+        args.max_seconds = args.max_seconds or 60
+        if args.engines == ",".join(ENGINES):
+            args.engines = "nanoserve,hf-cb"
+    args.dtype = args.dtype or "float32"
+    path = args.model or build_default_model(os.path.join(tempfile.gettempdir(), "nanoserve-bench"), nanovllm_gpu)
     from transformers import AutoConfig
     vocab = AutoConfig.from_pretrained(path).vocab_size
     if args.llama_cpp:
@@ -134,10 +151,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.bench")
                                                output_len=span(args.output_len)))
     workload = make_workload(vocab_size=vocab, seed=args.seed,
                              **{**sizes, "num_requests": args.num_requests or sizes["num_requests"]})
+    kv_cache_tokens = args.kv_cache_tokens or (None if nanovllm_gpu else 8192)
     config = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                  num_kvcache_blocks=args.kv_cache_tokens // args.block_size + 1,  # + the null block
+                  num_kvcache_blocks=kv_cache_tokens and kv_cache_tokens // args.block_size + 1,  # + the null block
                   max_model_len=whole_blocks(max(len(r.prompt) + r.output_len for r in workload), args.block_size),
-                  dtype=args.dtype, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+                  dtype=args.dtype, device=device)
     if args.enforce_eager is not None:  # else LLM's default (eager)
         config["enforce_eager"] = args.enforce_eager
     if args.speculative_config:
@@ -162,12 +180,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.bench")
         return
     dtype = getattr(torch, args.dtype)
     machine, shape = measure_machine(dtype, config["device"]), ModelShape.read(path, dtype)
-    if args.workload == "nanovllm" and args.engines == ",".join(ENGINES):
+    if args.workload == "nanovllm" and args.engines == ",".join(ENGINES):  # on a CPU
         args.engines = "nanoserve,static"  # transformers' engines here are greedy, not at temperature 0.6
     runners = {"nanoserve": lambda: run_nanoserve(path, workload, "continuous", **config),
                "static": lambda: run_nanoserve(path, workload, "static", **config),
                "hf-generate": lambda: run_hf_generate(path, workload, args.dtype, config["device"]),
-               "hf-cb": lambda: run_hf_continuous(path, workload, args.dtype, config["device"])}
+               "hf-cb": lambda: run_hf_continuous(path, workload, args.dtype, config["device"], args.max_seconds)}
     results = []
     for name in args.engines.split(","):
         if name not in runners:
@@ -175,7 +193,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.bench")
         results.append(runners[name]())
         print(f"{name}: {results[-1].seconds:.2f} s", flush=True)
     print(report(results, machine, shape))
-    if args.workload == "nanovllm":
+    if args.workload.startswith("nanovllm"):
         print(nanovllm_table(results))
     if args.json:
         with open(args.json, "w") as f:

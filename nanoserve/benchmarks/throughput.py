@@ -96,26 +96,33 @@ def run_hf_generate(path: str, workload: list[Request], dtype: str, device: str 
 
 
 @torch.inference_mode()
-def run_hf_continuous(path: str, workload: list[Request], dtype: str, device: str = "cpu") -> Result:
-    """transformers' continuous batching manager, each request with its own max_new_tokens."""
+def run_hf_continuous(path: str, workload: list[Request], dtype: str, device: str = "cpu",
+                      max_seconds: float | None = None) -> Result:
+    """transformers' continuous batching manager, each request with its own max_new_tokens, sampling at the
+    workload's temperature. With `max_seconds`, it stops then and counts the tokens generated so far (its
+    requests stream them), as a rate over the start of the run."""
     from transformers import GenerationConfig
     model = load_hf(path, dtype, device)
-    config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(r.output_len for r in workload))
+    temperature = workload[0].temperature
+    config = GenerationConfig(do_sample=temperature > 0, temperature=temperature or None, eos_token_id=-1,
+                              max_new_tokens=max(r.output_len for r in workload))
     with model.continuous_batching_context_manager(generation_config=config) as manager:
         start = time.perf_counter()
-        ids = [manager.add_request(r.prompt, max_new_tokens=r.output_len, eos_token_id=-1, record_timestamps=True)
-               for r in workload]
-        results = {}
-        while len(results) < len(ids):
+        ids = [manager.add_request(r.prompt, max_new_tokens=r.output_len, eos_token_id=-1, record_timestamps=True,
+                                   streaming=max_seconds is not None) for r in workload]
+        latest, finished = {}, 0  # each request's newest output
+        while finished < len(ids) and (max_seconds is None or time.perf_counter() - start < max_seconds):
             out = manager.get_result(timeout=1)
-            if out is not None and out.is_finished():
-                results[out.request_id] = out
+            if out is not None:
+                latest[out.request_id] = out
+                finished += out.is_finished()
         seconds = time.perf_counter() - start
-    outs = [results[i] for i in ids]
+    outs = [latest[i] for i in ids if i in latest and latest[i].is_finished()]
     ttft = [o.timestamps[0] - o.created_time for o in outs]
     tpot = [(o.timestamps[-1] - o.timestamps[0]) / max(1, len(o.timestamps) - 1) for o in outs]
-    return Result("hf-cb", seconds, sum(len(o.generated_tokens) for o in outs),
-                  sum(len(r.prompt) for r in workload), ttft, tpot)
+    name = "hf-cb" if finished == len(ids) else f"hf-cb (first {seconds:.0f} s, {finished} of {len(ids)} done)"
+    return Result(name, seconds, sum(len(o.generated_tokens) for o in latest.values()),
+                  sum(len(r.prompt) for r in workload), ttft or [float("nan")], tpot or [float("nan")])
 
 
 def report(results: list[Result], machine: Machine, shape: ModelShape) -> str:

@@ -19,11 +19,17 @@ WORKLOADS = {
     # nano-vllm's bench.py: 256 requests, prompt and output lengths uniform in 100-1024, temperature
     # 0.6, ignore_eos; scaled to a CPU: a quarter of the requests, an eighth of the lengths
     "nanovllm": dict(num_requests=64, input_len=(13, 128), output_len=(13, 128), temperature=0.6),
+    # on a GPU, nano-vllm's own shape, on a random model of Qwen3-0.6B's shape (NANOVLLM_MODEL)
+    "nanovllm-gpu": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024), temperature=0.6),
     # many users, one system prompt, arriving together
     "shared-prefix": dict(num_requests=32, input_len=(16, 64), output_len=(16, 64), shared_prefix=256),
 }
 DEFAULT_MODEL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                      intermediate_size=1408, vocab_size=32000, max_position_embeddings=1024)
+# Qwen3-0.6B's shape (~0.6B parameters, tied head), the model nano-vllm publishes its numbers on
+NANOVLLM_MODEL = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                      head_dim=128, intermediate_size=3072, vocab_size=151936, max_position_embeddings=4096,
+                      tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1000000.0)
 
 
 @dataclass
@@ -72,13 +78,19 @@ class Result:
         return (self.output_tokens + self.prompt_tokens) / self.seconds
 
 
-def build_default_model(folder: str) -> str:
-    """The default workload's random Llama, built once with transformers and kept in `folder`."""
-    path = os.path.join(folder, "nanoserve-bench-llama-40m")
+def build_default_model(folder: str, nanovllm_gpu: bool = False) -> str:
+    """The default workload's random Llama, built once with transformers and kept in `folder`; with
+    `nanovllm_gpu`, a random model of Qwen3-0.6B's shape in bfloat16, built on the GPU (fast)."""
+    name, sizes, device = "nanoserve-bench-llama-40m", DEFAULT_MODEL, "cpu"
+    if nanovllm_gpu:
+        name, sizes, device = "nanoserve-bench-qwen3-0.6b-shape", NANOVLLM_MODEL, "cuda"
+    path = os.path.join(folder, name)
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         from transformers import AutoConfig, AutoModelForCausalLM
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **DEFAULT_MODEL)).save_pretrained(path)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **sizes))
+        model.to(torch.bfloat16 if nanovllm_gpu else torch.float32).save_pretrained(path)
     return path
 
 
