@@ -23,7 +23,11 @@ Needs torch, transformers and the test extra (pytest); flash-attn is optional, t
      decode graphs over the eager model against the eager model, token for token at batch 1, 32 and
      256 (graph sizes, so the same kernels run); tok/s at each, eager against `enforce_eager=False`
      (compiled, with graphs); and host-side kernel launches per decode step of each.
-     With --dry-run a graph is not captured (no CUDA): its replay runs the captured function again.
+     With --dry-run a graph is not captured (no CUDA): its replay runs the captured function again;
+  9. nano-vllm's benchmark shape (`nanoserve bench --workload nanovllm`: 256 requests of 100-1024 tokens in and
+     out at temperature 0.6, on a random model of Qwen3-0.6B's shape in bfloat16): nanoserve beside transformers'
+     continuous batching on the same GPU, output tok/s of each, each stopped after 30 s (a rate over the start
+     of the run where it did not finish).
 A failing check is a FAIL row (with its error), never the end of the run; the exit status is 1 if any failed.
 Each row is printed (and appended to --out) as soon as it is known, and the checks not started within --budget
 seconds (230 on a GPU) are SKIP rows, so that a run cut short still reports what it measured.
@@ -31,6 +35,7 @@ seconds (230 on a GPU) are SKIP rows, so that a run cut short still reports what
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.metadata
 import os
 import random
@@ -44,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -54,6 +59,8 @@ from test_gpu import ENGINE, agreement, hf_generate, run_engine, workload  # noq
 from flash_reference import FlashReference, fake_flash_attn_module  # noqa: E402
 from nanoserve import LLM, SamplingParams, attention  # noqa: E402
 from nanoserve.attention import attend, gather_blocks, select_attention  # noqa: E402
+from nanoserve.benchmarks.throughput import run_hf_continuous, run_nanoserve  # noqa: E402
+from nanoserve.benchmarks.workload import WORKLOADS, build_default_model, make_workload  # noqa: E402
 from nanoserve.config import cdiv  # noqa: E402
 from nanoserve.device import resolve_dtype  # noqa: E402
 from nanoserve.extensions import cuda_graphs  # noqa: E402
@@ -280,6 +287,30 @@ def attach_graphs(llm: LLM, device: str) -> None:
         cuda_graphs.capture = saved
 
 
+def check_nanovllm_shape(path: str | None, device: str, max_seconds: float = 30) -> list[Row]:
+    """nanoserve and transformers' continuous batching on nano-vllm's workload, as `nanoserve bench --workload
+    nanovllm` runs them on a GPU (on the CPU, --dry-run: 8 short requests on `path`)."""
+    sizes = WORKLOADS["nanovllm-gpu"]
+    if path is None:
+        path = build_default_model(tempfile.mkdtemp(prefix="gpu_check_"), nanovllm_gpu=True)
+    else:
+        sizes = dict(sizes, num_requests=8, input_len=(10, 40), output_len=(5, 20))
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    workload = make_workload(vocab_size=AutoConfig.from_pretrained(path).vocab_size, seed=0, **sizes)
+    max_model_len = max(len(r.prompt) + r.output_len for r in workload)
+    ours = run_nanoserve(path, workload, "continuous", max_seconds, dtype=dtype, device=device,
+                         max_model_len=cdiv(max_model_len, 16) * 16, max_num_seqs=len(workload))
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    theirs = run_hf_continuous(path, workload, dtype, device, max_seconds)
+    cut = lambda r: f" ({r.extra['cut']})" if "cut" in r.extra else ""  # noqa: E731
+    return [(f"nano-vllm's shape, {dtype}", "INFO",
+             f"{len(workload)} requests: nanoserve {ours.output_tok_s:.0f} output tok/s{cut(ours)}, transformers' "
+             f"continuous batching {theirs.output_tok_s:.0f}{cut(theirs)} (nanoserve "
+             f"{ours.output_tok_s / theirs.output_tok_s:.2f}x)")]
+
+
 def check_graphs(path: str, device: str, batch_sizes: list[int], prompt_len: int, max_tokens: int) -> list[Row]:
     """The ~1B Llama in bfloat16 with the flash backend, three ways: eager; eager with decode graphs attached
     (token for token the same: the same kernels run); and enforce_eager=False (compiled, with graphs)."""
@@ -368,6 +399,7 @@ def main() -> int:
               ("engine vs transformers", lambda: check_engine(tiny, device, max_tokens)),
               ("flash contract", lambda: check_flash_contract(tiny, device, max_tokens)),
               ("decoding", lambda: check_decoding(big, device, *decode)),
+              ("nano-vllm's shape", lambda: check_nanovllm_shape(big if args.dry_run else None, device)),
               ("CUDA graphs", lambda: check_graphs(big, device, *decode))]
     header = f"{'Dry run on the CPU' if args.dry_run else 'On ' + torch.cuda.get_device_name()}:\n\n" \
              "| check | result | detail |\n|---|---|---|\n"

@@ -109,7 +109,7 @@ def test_gpu_check_dry_run_runs_every_check_on_the_cpu():
     for row in ("| versions |", "| pytest -m gpu | PASS", "| engine vs transformers, torch.float32 | PASS",
                 "| flash branch through the strict reference | PASS", "| per decode step, B=4 |",
                 "| peak memory vs KV budget |", "| decode B=8,", "| graphs vs eager B=8 | PASS",
-                "| launches per decode step, B=4 |"):
+                "| launches per decode step, B=4 |", "| nano-vllm's shape, float32 |"):
         assert row in result.stdout, row
     assert "| FAIL |" not in result.stdout
 
@@ -124,7 +124,8 @@ def test_gpu_check_out_of_time_still_writes_every_row(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "| check |" not in line]
     assert [row.split(" | ")[0] for row in rows] == ["| environment", "| pytest -m gpu", "| engine vs transformers",
-                                                    "| flash contract", "| decoding", "| CUDA graphs"]
+                                                    "| flash contract", "| decoding", "| nano-vllm's shape",
+                                                    "| CUDA graphs"]
     assert all("| SKIP | out of time" in row for row in rows)
 
 

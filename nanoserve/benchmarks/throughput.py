@@ -22,8 +22,10 @@ if TYPE_CHECKING:
 ENGINES = ("nanoserve", "static", "hf-generate", "hf-cb")
 
 
-def run_nanoserve(path: str, workload: list[Request], scheduling: str, **config: object) -> Result:
-    """Every request queued at once. Prefix caching is off unless `config` turns it on."""
+def run_nanoserve(path: str, workload: list[Request], scheduling: str, max_seconds: float | None = None,
+                  **config: object) -> Result:
+    """Every request queued at once. Prefix caching is off unless `config` turns it on. With `max_seconds`, the
+    run stops then and counts the tokens generated so far, as a rate over the start of the run."""
     llm = LLM(path, scheduling=scheduling, **{"enable_prefix_caching": False, **config})
     engine, bm = llm.engine, llm.engine.scheduler.block_manager
     llm.generate([WARM_UP], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -35,6 +37,8 @@ def run_nanoserve(path: str, workload: list[Request], scheduling: str, **config:
     outputs, peak_used, peak_alloc, steps, prefill_tokens = [], 0, 0, [], 0
     while engine.has_unfinished_requests():
         step_start = time.perf_counter()
+        if max_seconds is not None and step_start - start > max_seconds:
+            break
         result = engine.step()
         prefill_tokens += result.num_prefill_tokens
         if result.batch is not None:
@@ -46,16 +50,19 @@ def run_nanoserve(path: str, workload: list[Request], scheduling: str, **config:
         peak_used = max(peak_used, sum(s.num_computed_tokens for s in running))
         peak_alloc = max(peak_alloc, (total - bm.num_free_blocks) * block_size)
     seconds = time.perf_counter() - start
+    unfinished = sum(seq.num_tokens - seq.num_prompt_tokens for seq in engine.requests.values())  # stopped early
+    cut = {"cut": f"first {seconds:.0f} s, {len(outputs)} of {len(workload)} done"} if engine.requests else {}
     llm.close()  # stops tensor-parallel workers
     return Result(scheduling if scheduling == "static" else "nanoserve", seconds,
-                  sum(len(o.token_ids) for o in outputs), sum(len(r.prompt) for r in workload),
+                  sum(len(o.token_ids) for o in outputs) + unfinished, sum(len(r.prompt) for r in workload),
                   [o.ttft for o in outputs], [(o.latency - o.ttft) / max(1, len(o.token_ids) - 1) for o in outputs],
                   peak_used, peak_alloc, total * block_size,
                   {"steps": len(steps), "prefill_tokens": prefill_tokens,
                    "computed_tokens": sum(sum(s.query_lens) for s in steps),
                    "cached_tokens": sum(o.num_cached_tokens for o in outputs),
                    "preemptions": engine.stats()["num_preemptions"],
-                   **{name: value for name, value in engine.stats().items() if "draft" in name or "accepted" in name}},
+                   **{name: value for name, value in engine.stats().items() if "draft" in name or "accepted" in name},
+                   **cut},
                   steps)
 
 
@@ -120,9 +127,9 @@ def run_hf_continuous(path: str, workload: list[Request], dtype: str, device: st
     outs = [latest[i] for i in ids if i in latest and latest[i].is_finished()]
     ttft = [o.timestamps[0] - o.created_time for o in outs]
     tpot = [(o.timestamps[-1] - o.timestamps[0]) / max(1, len(o.timestamps) - 1) for o in outs]
-    name = "hf-cb" if finished == len(ids) else f"hf-cb (first {seconds:.0f} s, {finished} of {len(ids)} done)"
-    return Result(name, seconds, sum(len(o.generated_tokens) for o in latest.values()),
-                  sum(len(r.prompt) for r in workload), ttft or [float("nan")], tpot or [float("nan")])
+    cut = {"cut": f"first {seconds:.0f} s, {finished} of {len(ids)} done"} if finished < len(ids) else {}
+    return Result("hf-cb", seconds, sum(len(o.generated_tokens) for o in latest.values()),
+                  sum(len(r.prompt) for r in workload), ttft or [float("nan")], tpot or [float("nan")], extra=cut)
 
 
 def report(results: list[Result], machine: Machine, shape: ModelShape) -> str:
@@ -171,7 +178,8 @@ def nanovllm_table(results: list[Result]) -> str:
     tokens over the time to serve all requests, as its bench.py counts)."""
     lines = ["| Inference Engine | Output Tokens | Time (s) | Throughput (tokens/s) |", "|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r.engine} | {r.output_tokens:,} | {r.seconds:.2f} | {r.output_tok_s:.2f} |")
+        engine = f"{r.engine} ({r.extra['cut']})" if "cut" in r.extra else r.engine  # a rate over the run's start
+        lines.append(f"| {engine} | {r.output_tokens:,} | {r.seconds:.2f} | {r.output_tok_s:.2f} |")
     return "\n".join(lines)
 
 
