@@ -10,7 +10,7 @@ is computed once, where it is needed, and passed on as an argument or held by it
   the attention backend and the block_size (`attention.select_attention`: flash and 256 where
   flash-attn 2 runs, else torch and 16) -> the model runner, which loads the model with them;
   block_size also -> the engine, the scheduler;
-- the model class (`models.loader.MODELS`, by config.json's `architectures`) -> the model runner;
+- the model's family (`models.families.describe`, by config.json's `architectures`) -> the model runner;
 - on a CPU, each linear layer's weight layout (`layers.linear.choose_linear`, from the dtype, what
   oneDNN does on this CPU and max_num_seqs; applied at load by `pack_linears`), or int8 weights with
   `quantization` (quantization.py) -> the model;

@@ -25,6 +25,7 @@ from nanoserve.extensions.parallel import TensorParallelRunner
 from nanoserve.extensions.spec_decode import NgramSpeculator
 from nanoserve.extensions.structured_outputs import GrammarCompiler, fail_grammars, grammars_pending, wait_for_grammars
 from nanoserve.model_runner import ModelRunner
+from nanoserve.models.families import check_max_model_len
 from nanoserve.models.loader import read_config
 from nanoserve.outputs import RequestOutput, StepResult, request_delta, request_output
 from nanoserve.sampler import InvalidRequest, SamplingParams, require
@@ -44,9 +45,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         hf_config = read_config(config.model)
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
-        if self.max_model_len > hf_config.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={hf_config.max_position_embeddings}")
+        check_max_model_len(hf_config, self.max_model_len)  # within max_position_embeddings and any sliding window
         # A block longer than the longest request wastes most of its slots; 256 (flash-attn's page) always fits.
         if config.block_size != "auto" and config.block_size > max(self.max_model_len, 256):
             raise ValueError(f"block_size={config.block_size} is larger than max_model_len={self.max_model_len} "

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from nanoserve import SamplingParams
 
@@ -43,30 +43,32 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             bos_token_id=1, eos_token_id=2, initializer_range=0.1)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-# Each architecture in nanoserve/models/loader.py's MODELS, by the config class transformers builds it from.
-FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
+# Each architecture in nanoserve/models/families.py's MODELS, by the config class transformers builds it from.
+FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 MODELS = {
     "gqa": {},
     "tied": dict(tie_word_embeddings=True, num_key_value_heads=4),
     "llama3": dict(rope_parameters=LLAMA3_ROPE, num_key_value_heads=1),
-    # Mistral's 4096-token window would be refused; its head_dim is given, and not hidden / heads
-    "mistral": dict(family="mistral", sliding_window=None, head_dim=8, seed=1),
+    # Mistral's 4096-token window covers the 256-token context; its head_dim is given, and not hidden / heads
+    "mistral": dict(family="mistral", head_dim=8, seed=1),
     "qwen2": dict(family="qwen2"),
+    # Qwen3's q/k norm; head_dim 32, not hidden / heads (16); Qwen3-0.6B's RoPE theta
+    "qwen3": dict(family="qwen3", head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # tied, and Qwen3Config's own default head_dim (128), which is not hidden / heads either
+    "qwen3_tied": dict(family="qwen3", tie_word_embeddings=True, seed=2),
 }
 
 
 def build_tiny_model(path: str, family: str = "llama", seed: int = 0, old_style_rope: bool = False,
                      **overrides) -> str:
     """Save a random model of `family` (FAMILIES) to `path`. Biases (Qwen2's q, k, v), which transformers
-    starts at zero, are drawn at random too: a bias lost or misplaced must change the tokens. With
+    starts at zero, are drawn at random too (`randomize_extras`): a bias lost or misplaced must change the
+    tokens. With
     old_style_rope the config.json carries `rope_scaling` + `rope_theta` as real Llama 3 checkpoints do,
     instead of v5's rope_parameters."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(FAMILIES[family](**{**TINY, **overrides}))
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(".bias"):
-                parameter.normal_(0, 0.2)
+    randomize_extras(model)
     model.save_pretrained(path)
     if old_style_rope:
         config_file = os.path.join(path, "config.json")
@@ -76,6 +78,17 @@ def build_tiny_model(path: str, family: str = "llama", seed: int = 0, old_style_
         config["rope_scaling"] = rope
         json.dump(config, open(config_file, "w"))
     return path
+
+
+def randomize_extras(model: torch.nn.Module) -> None:
+    """Draw at random what transformers starts constant: biases (Qwen2's q, k, v; zero) and Qwen3's q/k
+    norm weights (one), so that a bias or norm lost, or q's and k's swapped, changes the logits."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0, 0.2)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.normal_(1, 0.3)
 
 
 def build_tiny_llama(path: str, **kwargs) -> str:

@@ -30,7 +30,7 @@ def run_without_recompiles(llm: LLM, prompts: list[list[int]], max_tokens: list[
 
 
 @pytest.mark.parametrize("setup", ["block_size_4", "chunked_prefill", "preemption"])
-@pytest.mark.parametrize("model", ["gqa", "qwen2"])
+@pytest.mark.parametrize("model", ["gqa", "qwen2", "qwen3"])
 def test_compiled_step_matches_transformers(tiny_models, model, setup):
     """test_engine.py's parity test (eager) with enforce_eager=False: mixed batches, prompt chunks beside
     decodes, preemption; Qwen2 for its q, k, v biases."""

@@ -36,7 +36,7 @@ def reference(path: str) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("setup", SETUPS)
-@pytest.mark.parametrize("model", ["gqa", "tied", "llama3", "llama3_old", "mistral", "qwen2"])
+@pytest.mark.parametrize("model", ["gqa", "tied", "llama3", "llama3_old", "mistral", "qwen2", "qwen3", "qwen3_tied"])
 def test_greedy_matches_transformers(tiny_models, model, setup):
     path = tiny_models[model]
     llm = LLM(path, **SETUPS[setup])

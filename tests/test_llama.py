@@ -1,5 +1,5 @@
 """Tests for nanoserve/models/ (llama.py, loader.py) and layers/: logits equal transformers' model of
-each family nanoserve runs (conftest.FAMILIES: Llama, Mistral, Qwen2).
+each family nanoserve runs (conftest.FAMILIES: Llama, Mistral, Qwen2, Qwen3).
 
 Each test builds a tiny random model with transformers, saves it like a Hub checkpoint into a tmp
 folder, loads it with `load_model` and compares logits for the same tokens. Weights use
@@ -16,25 +16,24 @@ import platform
 import subprocess
 import sys
 import warnings
-from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig, PreTrainedModel, Qwen2Config
+from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig, PreTrainedModel, Qwen2Config, Qwen3Config
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from conftest import FAMILIES
-from nanoserve import device
+from conftest import FAMILIES, build_tiny_model, randomize_extras
+from nanoserve import LLM, device
 from nanoserve.batch import Batch
 from nanoserve.device import resolve_dtype
 from nanoserve.layers import linear
 from nanoserve.layers.linear import PackedLinear
 from nanoserve.layers.rotary_embedding import RotaryEmbedding, apply_rope
 from nanoserve.models import get_head_dim, loader
-from nanoserve.models.llama import LlamaForCausalLM
-from nanoserve.models.loader import MODELS, load_model
+from nanoserve.models.families import MODELS, Family, describe
+from nanoserve.models.loader import load_model
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -45,16 +44,14 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
 def save_model(path: Path, max_shard_size: str | None = None, family: str = "llama",
                **overrides: object) -> PreTrainedModel:
     """Save a random tiny model of `family` to `path` and return it, as the reference: hidden 64, 2 layers,
-    4 query heads sharing 2 kv heads (GQA), head_dim 16, vocab 256; biases (Qwen2's) random too."""
+    4 query heads sharing 2 kv heads (GQA), head_dim 16 (Qwen3: its config's 128), vocab 256; biases
+    (Qwen2's) and q/k norms (Qwen3's) random too."""
     fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=256, max_position_embeddings=128,
                   initializer_range=0.2, rms_norm_eps=1e-5)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(FAMILIES[family](**(fields | overrides))).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(".bias"):
-                parameter.normal_(0, 0.2)
+    randomize_extras(model)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return model
@@ -295,24 +292,34 @@ def test_an_unsupported_architecture_names_the_supported_ones(tmp_path: Path) ->
     GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as error:
         load(tmp_path)
-    assert all(name in str(error.value) for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"))
+    assert all(name in str(error.value) for name in MODELS)  # Llama, Mistral, Qwen2, Qwen3
 
 
-def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path: Path) -> None:
-    """Attention here always sees the whole context: a Mistral whose window is shorter than its context
-    would differ from transformers' past the window. A window covering the context runs (as in the
-    layout test, Mistral's default 4096 over 128 positions)."""
-    save_model(tmp_path, family="mistral", sliding_window=32)
-    with pytest.raises(ValueError, match="sliding_window=32"):
-        load(tmp_path)
+def test_a_sliding_window_shorter_than_max_model_len_is_refused(tmp_path: Path) -> None:
+    """Attention here always sees the whole context: a Mistral whose window is shorter than the context
+    asked for would differ from transformers' past the window. Refused at LLM(), naming both numbers;
+    a max_model_len within the window runs (as does the tiny Mistral of test_engine.py, whose default 4096
+    window covers its 256 positions). Catches a window silently ignored, or refused whatever max_model_len."""
+    build_tiny_model(str(tmp_path), "mistral", sliding_window=32)
+    with pytest.raises(ValueError, match="sliding_window=32 is smaller than max_model_len=64"):
+        LLM(str(tmp_path), max_model_len=64)
+    with pytest.raises(ValueError, match="sliding_window=32 is smaller than max_model_len=256"):
+        LLM(str(tmp_path))  # max_model_len defaults to max_position_embeddings
+    assert LLM(str(tmp_path), max_model_len=32, block_size=4).engine.max_model_len == 32
 
 
-def test_a_checkpoint_tensor_no_parameter_reads_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Qwen2 registered as plain Llama (its q, k, v bias flag forgotten): the biases would be left unread and
-    every logit wrong. Catches a family whose row in MODELS misses a flag: the loader refuses, naming the tensor."""
-    save_model(tmp_path, family="qwen2")
-    monkeypatch.setitem(MODELS, "Qwen2ForCausalLM", LlamaForCausalLM)
-    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.bias' has no parameter"):
+@pytest.mark.parametrize("family, row, tensor", [
+    ("qwen2", Family("Qwen2ForCausalLM"), "q_proj.bias"),
+    ("qwen3", Family("Qwen3ForCausalLM"), "q_norm.weight"),
+], ids=["qwen2_without_qkv_bias", "qwen3_without_qk_norm"])
+def test_a_checkpoint_tensor_no_parameter_reads_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           family: str, row: Family, tensor: str) -> None:
+    """A family registered as plain Llama (Qwen2 without its q, k, v bias, Qwen3 without its q/k norm): those
+    tensors would be left unread and every logit wrong. Catches a row in MODELS missing a field: the loader
+    refuses, naming the tensor."""
+    save_model(tmp_path, family=family)
+    monkeypatch.setitem(MODELS, row.architecture, row)
+    with pytest.raises(ValueError, match=rf"'model\.layers\.0\.self_attn\.{tensor}' has no parameter"):
         load(tmp_path)
 
 
@@ -320,17 +327,30 @@ def test_a_parameter_the_checkpoint_lacks_is_refused(tmp_path: Path, monkeypatch
     """Llama registered with Qwen2's bias flag: our q, k, v biases have no checkpoint tensor. Catches a
     KeyError deep in the loader, or a bias left at whatever the meta device gave it."""
     save_model(tmp_path)
-    monkeypatch.setitem(MODELS, "LlamaForCausalLM", partial(LlamaForCausalLM, qkv_bias=True))
+    monkeypatch.setitem(MODELS, "LlamaForCausalLM", Family("LlamaForCausalLM", qkv_bias=True))
     with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.0\.self_attn\.k_proj\.bias'"):
         load(tmp_path)
 
 
 def test_head_dim_from_the_config_or_from_hidden_size_over_heads() -> None:
-    """Mistral's config gives head_dim (here not hidden / heads), Qwen2's has none: the runner sizes the KV
-    cache and picks the attention backend from the same head_dim the model is built with."""
+    """Mistral's config gives head_dim (here not hidden / heads), Qwen3's gives 128 unless told otherwise,
+    Qwen2's has none: the runner sizes the KV cache and picks the attention backend from the same head_dim
+    the model is built with (the Family's). Catches hidden / heads where the config says otherwise."""
     sizes = dict(hidden_size=64, num_attention_heads=4)
     assert get_head_dim(MistralConfig(**sizes, head_dim=8)) == 8
     assert not hasattr(Qwen2Config(), "head_dim") and get_head_dim(Qwen2Config(**sizes)) == 16
+    qwen3 = Qwen3Config(**sizes, architectures=["Qwen3ForCausalLM"])
+    assert get_head_dim(qwen3) == describe(qwen3).head_dim == 128
+
+
+def test_a_family_is_its_row_completed_from_the_config() -> None:
+    """`describe` keeps the architecture's row (Qwen3's q/k norm) and reads the rest from config.json. Catches
+    a field left at the row's default (an untied head for a tied checkpoint, Llama's RoPE theta)."""
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    config = Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=32, tie_word_embeddings=True,
+                         rope_parameters=rope, architectures=["Qwen3ForCausalLM"])
+    assert describe(config) == Family("Qwen3ForCausalLM", qk_norm=True, head_dim=32, tie_word_embeddings=True,
+                                      rope_parameters=rope, sliding_window=None)
 
 
 def test_unsupported_rope_type(tmp_path: Path) -> None:

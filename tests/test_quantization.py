@@ -66,7 +66,7 @@ def test_int8_linear_equals_dequantize_then_matmul(dtype, bias):
         torch.testing.assert_close(layer(x).float(), expected, atol=tolerance * expected.abs().max(), rtol=tolerance)
 
 
-@pytest.mark.parametrize("model", ["gqa", "tied", "qwen2"])
+@pytest.mark.parametrize("model", ["gqa", "tied", "mistral", "qwen2", "qwen3", "qwen3_tied"])
 def test_engine_int8_matches_transformers_on_dequantized_weights(tiny_models, tmp_path, model):
     """Greedy tokens equal transformers' on the weights dequantized by hand. Catches a linear left
     unquantized or quantized by another rule (fused q/k/v or gate/up quantized as separate tensors are the

@@ -45,10 +45,11 @@ def children_alive(pids: list[int]) -> list[int]:
     return alive
 
 
-@pytest.mark.parametrize("model", ["gqa", "tied", "qwen2"])
+@pytest.mark.parametrize("model", ["gqa", "tied", "mistral", "qwen2", "qwen3", "qwen3_tied"])
 def test_tp2_matches_tp1_and_transformers(tiny_models, model):
     """Catches a wrong split (q/k/v slices crossed, GQA heads paired with another rank's KV heads,
-    o_proj split on the wrong dim, Qwen2's q/k/v biases not split with their weights), a missing
+    o_proj split on the wrong dim, Qwen2's q/k/v biases not split with their weights, Qwen3's q/k norm
+    weights split instead of whole on every rank), a missing
     all-reduce, a vocab range off by one in the embedding or lm_head gather, and tied embeddings sliced
     differently from lm_head."""
     path = tiny_models[model]

@@ -1,5 +1,6 @@
 """RMSNorm: x / sqrt(mean(x^2) + eps) * weight, computed as Hugging Face's Llama computes it, so
-float32 results are bit-identical and bfloat16 ones round the same way."""
+float32 results are bit-identical and bfloat16 ones round the same way. `norm_heads`: Qwen3's q/k norm,
+the same RMSNorm over each attention head."""
 from __future__ import annotations
 
 import torch
@@ -17,3 +18,9 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+def norm_heads(qk: torch.Tensor, num_heads: int, q_norm: RMSNorm, k_norm: RMSNorm) -> torch.Tensor:
+    """Qwen3's q/k norm on q's and k's heads side by side `[N, H + Hkv, D]` (H = `num_heads`): an RMSNorm
+    over each head's D dims, by q_norm's `[D]` weight for q's heads and k_norm's for k's."""
+    return torch.cat([q_norm(qk[:, :num_heads]), k_norm(qk[:, num_heads:])], dim=1)  # [N, H + Hkv, D]

@@ -1,15 +1,12 @@
-"""Model implementations: Llama (llama.py), and the families built from its layers. `load_model`
-(loader.py) builds the one its checkpoint's config.json names, by `architectures`, from `loader.MODELS`.
+"""Model implementations: Llama (llama.py), which runs every family nanoserve serves. `load_model`
+(loader.py) builds it with the `Family` (families.py) that the checkpoint's config.json describes: what
+its architecture (a row in `families.MODELS`) and config.json change from Llama's layers.
 
-Adding a model family: if it is Llama's layers, its row in `MODELS` is LlamaForCausalLM (Mistral), or
-with a flag for what differs (Qwen2: `functools.partial(LlamaForCausalLM, qkv_bias=True)`). Otherwise
-write models/<family>.py as llama.py is written: a class taking `(config, attention_backend, shard)`
-whose `forward(batch, kv_cache)` returns the float32 logits of `batch.logits_indices`, with
-`num_layers`, `num_kv_heads`, `head_dim`, `vocab_size` (the KV cache's sizes) and a `checkpoint_modules`
-table; read only config values every family has (head_dim: `get_head_dim`). The loader refuses a
-checkpoint tensor the model leaves unread. Then the tests: its config class in tests/conftest.py's
-FAMILIES (test_llama.py compares logits with transformers' in every linear layout) and a tiny model of
-it in MODELS there, added to test_engine.py's greedy token-exact test.
+Adding a model family: docs/models.md, "Adding a family". In short: a row in `families.MODELS` (and,
+for a new kind of difference, a `Family` field and its use where llama.py builds that layer); its
+config class in tests/conftest.py's FAMILIES and its tiny models in MODELS there, added to the
+parametrizations of the parity tests. Only values every family's config has are read as such (head_dim:
+`get_head_dim`); the loader refuses a checkpoint tensor the model leaves unread.
 """
 from __future__ import annotations
 
@@ -18,5 +15,6 @@ from transformers import PretrainedConfig
 
 def get_head_dim(config: PretrainedConfig) -> int:
     """Each attention head's size: `head_dim` where the config gives one (it may differ from hidden /
-    heads), else hidden_size / num_attention_heads (configs such as Qwen2's have no head_dim)."""
+    heads: Qwen3Config gives 128 unless told otherwise, whatever hidden / heads is), else hidden_size /
+    num_attention_heads (configs such as Qwen2's have no head_dim). The one place head_dim is derived."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

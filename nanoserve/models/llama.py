@@ -1,5 +1,5 @@
-"""Llama, assembled from layers/ and attention.py; the families that are its layers too run on it
-(models/__init__.py: Mistral as it is, Qwen2 with a bias on q, k and v).
+"""Llama, assembled from layers/ and attention.py; the families that are its layers too run on it, each
+described by a `Family` (families.py: Qwen2's bias on q, k and v, Qwen3's q/k norm, head_dim, ...).
 
 The model sees one step's `Batch`: every scheduled request's new tokens laid end to end, so there
 is no batch dimension anywhere, only N tokens. Each layer projects them to q, k, v, rotates q and k
@@ -29,9 +29,9 @@ from transformers import PretrainedConfig
 from nanoserve.attention import BACKENDS, AttentionBackend, AttentionMetadata
 from nanoserve.batch import Batch
 from nanoserve.distributed import Shard, all_reduce, embed, gather_on_rank0
-from nanoserve.layers.layernorm import RMSNorm
+from nanoserve.layers.layernorm import RMSNorm, norm_heads
 from nanoserve.layers.rotary_embedding import RotaryEmbedding, apply_rope
-from nanoserve.models import get_head_dim
+from nanoserve.models.families import Family
 
 # How the checkpoint's modules become ours, one row per checkpoint module (Hugging Face's name):
 # (our module, the dim tensor parallelism splits its weight on). Several checkpoint modules naming
@@ -50,32 +50,35 @@ CHECKPOINT_MODULES = {
 
 
 class LlamaAttention(nn.Module):
-    """Fused qkv projection (with a bias where `qkv_bias`), RoPE, paged attention (attention.py), output
-    projection. Split over `shard.size` ranks (distributed.py), each has its 1/size of the heads."""
+    """Fused qkv projection (with a bias where `family.qkv_bias`), q/k norm (where `family.qk_norm`), RoPE,
+    paged attention (attention.py), output projection. Split over `shard.size` ranks (distributed.py),
+    each has its 1/size of the heads; the q/k norms' weights are per head dim, whole on every rank."""
 
-    def __init__(self, config: PretrainedConfig, attention: AttentionBackend, shard: Shard, qkv_bias: bool):
+    def __init__(self, config: PretrainedConfig, family: Family, attention: AttentionBackend, shard: Shard):
         super().__init__()
-        self.shard = shard
+        self.shard, self.family = shard, family
         self.num_heads = config.num_attention_heads // shard.size
         self.num_kv_heads = config.num_key_value_heads // shard.size
-        assert self.num_heads % self.num_kv_heads == 0, "query heads must split evenly over kv heads"
-        self.head_dim = get_head_dim(config)
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)  # this rank's heads in
+        head_dim, eps = family.head_dim, config.rms_norm_eps
+        qkv_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim  # [q; k; v] of this rank's heads
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=family.qkv_bias)
+        if family.qk_norm:  # the checkpoint's q_norm and k_norm: a `[head_dim]` weight each, shared by all heads
+            self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
+        self.o_proj = nn.Linear(self.num_heads * head_dim, config.hidden_size, bias=False)  # this rank's heads in
         self.attention = attention  # the model's one backend, shared by every layer
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [N, q_size + 2 * kv_size]
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        H, Hkv = self.num_heads, self.num_kv_heads
+        # [N, H + 2 * Hkv, D] -> [N, H + Hkv, D], [N, Hkv, D]
+        qk, v = self.qkv_proj(x).view(-1, H + 2 * Hkv, self.family.head_dim).split([H + Hkv, Hkv], dim=1)
+        if self.family.qk_norm:  # Qwen3: RMSNorm over each head, q's heads by q_norm, k's by k_norm
+            qk = norm_heads(qk, H, self.q_norm, self.k_norm)
         # q and k heads side by side get the same rotation: one pass over both, not two
-        qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)  # [N, H + Hkv, D]
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [N, H, D], [N, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
+        q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=1)  # [N, H, D], [N, Hkv, D]
         out = self.attention.forward(q, k, v, k_cache, v_cache, metadata)  # [N, H, D]
-        out = self.o_proj(out.reshape(-1, self.q_size))  # [N, H * D] -> [N, hidden]
-        return all_reduce(out, self.shard)  # the sum over every rank's heads
+        # [N, H * D] -> [N, hidden]: the sum over every rank's heads
+        return all_reduce(self.o_proj(out.flatten(1)), self.shard)
 
 
 class LlamaMLP(nn.Module):
@@ -94,10 +97,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, attention: AttentionBackend, shard: Shard, qkv_bias: bool):
+    def __init__(self, config: PretrainedConfig, family: Family, attention: AttentionBackend, shard: Shard):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, attention, shard, qkv_bias)
+        self.self_attn = LlamaAttention(config, family, attention, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, shard)
 
@@ -110,16 +113,15 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm: HF's `model.*` half of the checkpoint."""
 
-    def __init__(self, config: PretrainedConfig, attention_backend: str, shard: Shard, qkv_bias: bool):
+    def __init__(self, config: PretrainedConfig, family: Family, attention_backend: str, shard: Shard):
         super().__init__()
         self.shard = shard
-        head_dim = get_head_dim(config)
         self.embed_tokens = nn.Embedding(config.vocab_size // shard.size, config.hidden_size)  # a vocab range
-        self.attention = BACKENDS[attention_backend](scale=head_dim ** -0.5)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.attention, shard, qkv_bias)
+        self.attention = BACKENDS[attention_backend](scale=family.head_dim ** -0.5)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, family, self.attention, shard)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(head_dim, config.rope_parameters)
+        self.rotary = RotaryEmbedding(family.head_dim, family.rope_parameters)
 
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Final hidden states `[S, hidden]` of the rows `batch.logits_indices`."""
@@ -136,20 +138,18 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The model: `model.*` and `lm_head`, as the checkpoint names them. `qkv_bias`: q, k and v have a bias
-    (Qwen2's; Llama's have none)."""
+    """The model: `model.*` and `lm_head`, as the checkpoint names them; `family` (families.py) says what
+    this checkpoint's layers differ in from Llama's."""
     checkpoint_modules = CHECKPOINT_MODULES  # how the checkpoint's modules become ours (loader.py reads it)
 
-    def __init__(self, config: PretrainedConfig, attention_backend: str, shard: Shard = Shard(),
-                 qkv_bias: bool = False):
+    def __init__(self, config: PretrainedConfig, family: Family, attention_backend: str, shard: Shard):
         super().__init__()
-        self.config = config
         self.shard = shard
-        self.head_dim = get_head_dim(config)
+        self.head_dim = family.head_dim
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads // shard.size  # in this rank's KV cache
         self.vocab_size = config.vocab_size
-        self.model = LlamaModel(config, attention_backend, shard, qkv_bias)
+        self.model = LlamaModel(config, family, attention_backend, shard)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // shard.size, bias=False)  # a vocab range
 
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor | None:

@@ -1,5 +1,5 @@
-"""How a Hugging Face checkpoint (a folder of config.json and *.safetensors) becomes a model: the class
-`MODELS` gives for the architecture its config.json names (how to add one: models/__init__.py).
+"""How a Hugging Face checkpoint (a folder of config.json and *.safetensors) becomes a model: llama.py's,
+built with the `Family` (families.py) its config.json describes (how to add one: docs/models.md).
 
 Invariants:
 - Every parameter comes from the checkpoint, and every tensor transformers' model of the architecture
@@ -15,8 +15,6 @@ Invariants:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,14 +25,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from nanoserve.distributed import Shard
 from nanoserve.extensions.quantization import quantize_linears
 from nanoserve.layers.linear import pack_linears
+from nanoserve.models.families import describe
 from nanoserve.models.llama import LlamaForCausalLM
-
-# The class that runs each architecture a config.json may name (its `architectures`), as in vLLM's registry.
-MODELS: dict[str, Callable[..., nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,  # Llama's layers; a sliding window is refused (read_config)
-    "Qwen2ForCausalLM": partial(LlamaForCausalLM, qkv_bias=True),
-}
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_backend: str,
@@ -44,9 +36,10 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_ba
     linears suit decode steps of up to `max_num_seqs` rows (layers/linear.py), or are `quantization`'s
     (quantization.py), of this shard's weights."""
     config = read_config(path)
+    family = describe(config)
     with torch.device("meta"):  # shapes only: every parameter is replaced by a checkpoint tensor
-        model = model_class(config)(config, attention_backend, shard)
-    tied = config.tie_word_embeddings
+        model = LlamaForCausalLM(config, family, attention_backend, shard)
+    tied = family.tie_word_embeddings
     parts = {name: checkpoint_parts(name, model.checkpoint_modules) for name, _ in model.named_parameters()
              if not (name == "lm_head.weight" and tied)}
     files = index_checkpoint(Path(path))
@@ -76,36 +69,25 @@ def checkpoint_parts(param_name: str, table: dict[str, tuple[str, int]]) -> list
 
 
 def read_config(path: str) -> PretrainedConfig:
-    """config.json, checked for an architecture in MODELS and for what its class implements. Only
-    attributes every family's config has are read as such; a family's own (Llama's attention_bias,
-    Mistral's sliding_window) are read where present."""
+    """config.json, checked for an architecture in MODELS and for what llama.py implements. Only
+    attributes every family's config has are read as such; a family's own (Llama's attention_bias)
+    are read where present. A sliding window is checked against max_model_len (`check_max_model_len`)."""
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"model folder {path!r} does not exist")
     if not (folder / "config.json").is_file():
         raise ValueError(f"model folder {path!r} has no config.json")
     config = AutoConfig.from_pretrained(path)
-    model_class(config)  # raises for an architecture not in MODELS
+    describe(config)  # raises for an architecture not in MODELS
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         raise ValueError("attention_bias / mlp_bias are not supported: of the linears, only q, k and v may "
                          "have a bias (Qwen2's)")
     if config.hidden_act != "silu":
         raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: the MLP here is SwiGLU ('silu')")
-    window = getattr(config, "sliding_window", None)
-    if window is not None and window < config.max_position_embeddings:
-        raise ValueError(f"sliding_window={window} is not supported: attention here always sees the whole "
-                         f"context, which differs once a request is longer than the window")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(f"num_attention_heads={config.num_attention_heads} is not a multiple of "
+                         f"num_key_value_heads={config.num_key_value_heads}: query heads must share kv heads evenly")
     return config
-
-
-def model_class(config: PretrainedConfig) -> Callable[..., nn.Module]:
-    """The class in MODELS for the config's architecture, or a ValueError naming the supported ones."""
-    architectures = getattr(config, "architectures", None) or []
-    for name in architectures:
-        if name in MODELS:
-            return MODELS[name]
-    raise ValueError(f"unsupported architectures {architectures} (model_type {config.model_type!r}): nanoserve "
-                     f"runs {', '.join(MODELS)}")
 
 
 def index_checkpoint(folder: Path) -> dict[str, Path]:
