@@ -25,7 +25,7 @@ Needs torch, transformers and the test extra (pytest); flash-attn is optional, t
      (compiled, with graphs); and host-side kernel launches per decode step of each.
      With --dry-run a graph is not captured (no CUDA): its replay runs the captured function again;
   9. nano-vllm's benchmark shape (`nanoserve bench --workload nanovllm`: 256 requests of 100-1024 tokens in and
-     out at temperature 0.6, on a random model of Qwen3-0.6B's shape in bfloat16): nanoserve beside transformers'
+     out at temperature 0.6, on a random Qwen3 of Qwen3-0.6B's shape in bfloat16): nanoserve beside transformers'
      continuous batching on the same GPU, output tok/s of each, each stopped after 30 s (a rate over the start
      of the run where it did not finish).
 A failing check is a FAIL row (with its error), never the end of the run; the exit status is 1 if any failed.

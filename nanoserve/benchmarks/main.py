@@ -99,7 +99,7 @@ def make_parser(prog: str = "python -m nanoserve.bench") -> argparse.ArgumentPar
     p.add_argument("--workload", default="random", choices=("random", "nanovllm", "shared-prefix"),
                    help="random: --num-requests of --input-len and --output-len, greedy. nanovllm: nano-vllm's "
                         "bench.py (256 requests, prompts and outputs of 100-1024 tokens, temperature 0.6) scaled "
-                        "to a CPU: 64 requests of 13-128 tokens; on a GPU its own shape on a random model of "
+                        "to a CPU: 64 requests of 13-128 tokens; on a GPU its own shape on a random Qwen3 of "
                         "Qwen3-0.6B's shape in bfloat16, beside transformers' continuous batching. shared-prefix: "
                         "32 requests, one 256-token system prompt plus 16-64 tokens each, outputs of 16-64, prefix "
                         "caching on and off")

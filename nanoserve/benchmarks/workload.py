@@ -19,7 +19,7 @@ WORKLOADS = {
     # nano-vllm's bench.py: 256 requests, prompt and output lengths uniform in 100-1024, temperature
     # 0.6, ignore_eos; scaled to a CPU: a quarter of the requests, an eighth of the lengths
     "nanovllm": dict(num_requests=64, input_len=(13, 128), output_len=(13, 128), temperature=0.6),
-    # on a GPU, nano-vllm's own shape, on a random model of Qwen3-0.6B's shape (NANOVLLM_MODEL)
+    # on a GPU, nano-vllm's own shape, on a random Qwen3 of Qwen3-0.6B's shape (NANOVLLM_MODEL)
     "nanovllm-gpu": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024), temperature=0.6),
     # many users, one system prompt, arriving together
     "shared-prefix": dict(num_requests=32, input_len=(16, 64), output_len=(16, 64), shared_prefix=256),
@@ -80,16 +80,16 @@ class Result:
 
 def build_default_model(folder: str, nanovllm_gpu: bool = False) -> str:
     """The default workload's random Llama, built once with transformers and kept in `folder`; with
-    `nanovllm_gpu`, a random model of Qwen3-0.6B's shape in bfloat16, built on the GPU (fast)."""
-    name, sizes, device = "nanoserve-bench-llama-40m", DEFAULT_MODEL, "cpu"
+    `nanovllm_gpu`, a random Qwen3 of Qwen3-0.6B's shape in bfloat16, built on the GPU (fast)."""
+    name, family, sizes, device = "nanoserve-bench-llama-40m", "llama", DEFAULT_MODEL, "cpu"
     if nanovllm_gpu:
-        name, sizes, device = "nanoserve-bench-qwen3-0.6b-shape", NANOVLLM_MODEL, "cuda"
+        name, family, sizes, device = "nanoserve-bench-qwen3-0.6b-shape", "qwen3", NANOVLLM_MODEL, "cuda"
     path = os.path.join(folder, name)
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         from transformers import AutoConfig, AutoModelForCausalLM
         torch.manual_seed(0)
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **sizes))
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **sizes))
         model.to(torch.bfloat16 if nanovllm_gpu else torch.float32).save_pretrained(path)
     return path
 
