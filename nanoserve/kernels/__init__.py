@@ -1,0 +1,2 @@
+"""GPU kernels written in Triton. Each module imports triton at its top, so it is imported only once a
+backend that needs it is chosen (triton_backend.py): TRITON_INTERPRET is read when a kernel is defined."""

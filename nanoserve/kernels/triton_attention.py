@@ -1,0 +1,178 @@
+"""Paged attention in Triton: the step's whole flat batch, prompt chunks and decodes together, in one
+launch per layer, reading every key and value where it sits in the paged KV cache.
+
+The kernels read the Batch's own arrays (batch.py) as tensors: `query_start_loc`, `seq_lens`,
+`block_tables` and `slot_mapping`. No per-request Python runs and no KV is copied out of the cache
+(the torch backend in attention.py copies; it stays the plain reference the tests compare with).
+
+Who reads what. The flat batch's N query rows are cut into tiles of BLOCK_Q rows; each request starts
+a new tile, so a tile never mixes two requests. One program owns one (query tile, KV head):
+
+    q rows:        | request 0: 5 queries | 1 | request 2: 7 queries      |    (BLOCK_Q = 4)
+    query tiles:   | tile 0     | tile 1  | 2 | tile 3       | tile 4     |
+    grid:          (N // BLOCK_Q + B, num_kv_heads): enough tiles for any lengths; spare programs exit
+
+    program (tile t of request b, KV head g):
+        its rows:  the tile's queries x the query heads that read KV head g (grouped-query attention)
+                   = BLOCK_M rows of one [BLOCK_M, head_dim] tile of q
+        its keys:  positions 0, 1, ... up to the last one its last query sees, TILE_N at a time;
+                   key p is in block block_tables[b, p // block_size] at offset p % block_size
+                   (any block_size: each key finds its own block)
+        softmax:   online, as flash-attention's: a running max m, sum l and output acc per row,
+                   acc / l written at the end; a row that saw no key has l = 0 and writes 0
+
+Causal masks are aligned bottom-right: the request's queries are its last `query_len` tokens, so
+query i (0 = its first) sees key j iff j <= i + seq_len - query_len.
+
+Writing the step's k and v into the cache is `store_kvcache_kernel`: one program per new token, its
+slot read from `slot_mapping` (the slot's block is slot // block_size, its offset slot % block_size).
+
+This module imports triton at its top: it is imported only once the triton backend is chosen
+(triton_backend.py), because TRITON_INTERPRET (run the kernels in Triton's interpreter, on a CPU) is
+read when a kernel is defined.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                         k_token_stride, k_head_stride, v_token_stride, v_head_stride,
+                         cache_block_stride, cache_slot_stride, cache_head_stride, block_size,
+                         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per new token i: copy its k and v `[num_kv_heads, head_dim]` into the cache's slot
+    `slot_mapping[i]`. BLOCK_H, BLOCK_D: num_kv_heads and head_dim rounded up to powers of two."""
+    i = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + i).to(tl.int64)  # int64: slot * strides can pass 2**31
+    heads = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+    dims = tl.arange(0, BLOCK_D)[None, :]   # [1, BLOCK_D]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
+    block, offset = slot // block_size, slot % block_size
+    cache = block * cache_block_stride + offset * cache_slot_stride + heads * cache_head_stride + dims
+    k = tl.load(k_ptr + i * k_token_stride + heads * k_head_stride + dims, mask=mask)  # [BLOCK_H, BLOCK_D]
+    v = tl.load(v_ptr + i * v_token_stride + heads * v_head_stride + dims, mask=mask)
+    tl.store(k_cache_ptr + cache, k, mask=mask)
+    tl.store(v_cache_ptr + cache, v, mask=mask)
+
+
+@triton.jit
+def find_request(query_start_loc_ptr, num_requests, tile, BLOCK_Q: tl.constexpr):
+    """The request that owns query tile `tile`. Request b's tiles start at tile
+    query_start_loc[b] // BLOCK_Q + b (the + b: each request starts a tile of its own), which grows
+    with b: the owner is the last request starting at or before `tile`, found by binary search."""
+    lo: tl.int32 = 0  # invariant: request lo starts at or before `tile`, request hi (if any) after it
+    hi = num_requests
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit(do_not_specialize=["num_requests"])  # one compiled kernel for every batch size
+def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+                           query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, num_requests, scale,
+                           q_token_stride, q_head_stride, out_token_stride, out_head_stride,
+                           cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride, block_size,
+                           GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr):
+    """One program per (query tile, KV head): the tile's queries, each with the GROUP query heads that
+    read this KV head, attend to their request's keys through its block table. GROUP_P: GROUP rounded
+    up to a power of two; a tile holds BLOCK_M // GROUP_P queries."""
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P
+    tile, kv_head = tl.program_id(0), tl.program_id(1)
+    b = find_request(query_start_loc_ptr, num_requests, tile, BLOCK_Q)
+    q_start, q_end = tl.load(query_start_loc_ptr + b), tl.load(query_start_loc_ptr + b + 1)
+    first = q_start + (tile - q_start // BLOCK_Q - b) * BLOCK_Q  # the tile's first row of q
+    if first >= q_end:
+        return  # a spare program: its request has fewer tiles than the grid allows for
+    seq_len = tl.load(seq_lens_ptr + b)
+    context_len = seq_len - (q_end - q_start)  # keys before the request's first query: 0 for a new prompt
+
+    # [BLOCK_M] rows: row r is query `first + r // GROUP_P` with query head `kv_head * GROUP + r % GROUP_P`
+    rows = tl.arange(0, BLOCK_M)
+    token = first + rows // GROUP_P
+    head = kv_head * GROUP + rows % GROUP_P
+    row_ok = (token < q_end) & (rows % GROUP_P < GROUP)  # past the request's queries, or a padding head
+    last_key = context_len + token - q_start  # [BLOCK_M]: the last key each row sees (bottom-right causal)
+    dims = tl.arange(0, BLOCK_D)  # head_dim rounded up to a power of two
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + token[:, None] * q_token_stride + head[:, None] * q_head_stride + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of each row's scores
+    row_sum = tl.zeros([BLOCK_M], tl.float32)                # running sum of exp(score - row_max)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)           # running sum of exp(score - row_max) * value
+    # the keys the tile's last query sees: no program reads past them
+    num_keys = tl.minimum(seq_len, context_len + tl.minimum(first + BLOCK_Q, q_end) - q_start)
+    table = block_tables_ptr + b * block_table_stride
+    for key_start in range(0, num_keys, TILE_N):
+        keys = key_start + tl.arange(0, TILE_N)  # [TILE_N] positions in the request
+        key_ok = keys < num_keys
+        block = tl.load(table + keys // block_size, mask=key_ok, other=0).to(tl.int64)  # [TILE_N]
+        cache = block * cache_block_stride + (keys % block_size) * cache_slot_stride + kv_head * cache_head_stride
+        k = tl.load(k_cache_ptr + cache[None, :] + dims[:, None],
+                    mask=dim_ok[:, None] & key_ok[None, :], other=0.0)  # [BLOCK_D, TILE_N]: keys as columns
+        v = tl.load(v_cache_ptr + cache[:, None] + dims[None, :],
+                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, BLOCK_D]
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N]
+        seen = key_ok[None, :] & (keys[None, :] <= last_key[:, None])  # [BLOCK_M, TILE_N]
+        scores = tl.where(seen, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))  # [BLOCK_M]
+        # a row that has seen no key yet keeps its max at -inf: subtract 0 instead, so exp gives 0, never NaN
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        p = tl.exp(scores - safe_max[:, None])  # [BLOCK_M, TILE_N]
+        alpha = tl.exp(row_max - safe_max)  # [BLOCK_M]: rescales what was summed under the old max
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_max = new_max
+    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # [BLOCK_M, BLOCK_D]; 0 where no key was seen
+    tl.store(out_ptr + token[:, None] * out_token_stride + head[:, None] * out_head_stride + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def store_kvcache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write token i's k, v (`[N, num_kv_heads, head_dim]`) into flat slot `slot_mapping[i]` of the caches
+    `[num_blocks, block_size, num_kv_heads, head_dim]`, as attention.store_kvcache does."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert k.stride(-1) == v.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    store_kvcache_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1],
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
+                    block_tables: Tensor, scale: float) -> Tensor:
+    """q `[N, H, D]` -> `[N, H, D]`: request b's queries, rows query_start_loc[b]:query_start_loc[b + 1],
+    attend to its first seq_lens[b] keys, in blocks block_tables[b] of the caches. The grid depends only
+    on shapes, never on the lengths' values: a CUDA graph or a compiled step can replay it."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_requests = k_cache.shape[2], seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    group_p = triton.next_power_of_2(group)
+    # tl.dot wants at least 16 rows. A decode-only step has one query per request: a short tile wastes least;
+    # prompts fill taller tiles, each key then read once for more queries.
+    block_m = max(16 if num_tokens == num_requests else 64, group_p)
+    out = q.new_zeros(num_tokens, num_heads, head_dim)  # rows after query_start_loc[-1], if any, stay 0
+    assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    grid = (num_tokens // (block_m // group_p) + num_requests, num_kv_heads)
+    paged_attention_kernel[grid](
+        out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_requests, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_cache.shape[1],
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs 16 or more
+        BLOCK_M=block_m, TILE_N=32,
+        # float32 on a GPU: exact products, not TF32's, so that float32 stays token-exact with transformers
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    return out

@@ -1,0 +1,174 @@
+"""Tests for the triton attention backend (nanoserve/triton_backend.py) and its kernels
+(nanoserve/kernels/triton_attention.py) on a CPU, in Triton's interpreter: the kernels against
+tests/flash_reference.py (the plain per-request formulation).
+
+Triton reads TRITON_INTERPRET when it defines a kernel, its own library's included, at its first import:
+the variable must be set before anything imports triton, and set, it would reach every other test. So
+the tests marked `interpreted` run in a subprocess of their own, started by `test_in_the_interpreter`
+with TRITON_INTERPRET=1 (run them directly: TRITON_INTERPRET=1 pytest tests/test_triton_attention.py).
+Under triton 3.9's interpreter float32 and float16 tl.dot are exact, bfloat16's is garbage: bfloat16
+is for the GPU. Shapes are tiny, so that the interpreter runs in seconds.
+"""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton cannot be imported here (it has no macOS wheels)")
+
+from test_attention import batch_of, cumsum0  # noqa: E402
+
+from flash_reference import FlashReference  # noqa: E402
+from nanoserve.attention import store_kvcache  # noqa: E402
+from nanoserve.triton_backend import TritonBackend, interpreting  # noqa: E402
+
+# flash-attn's checks, with float32 allowed and pages of 16 tokens (this kernel's smallest block_size)
+REFERENCE = FlashReference(page_multiple=16, allow_float32=True)
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+# the tests that need the interpreter: skipped here unless it is on, run by test_in_the_interpreter's subprocess
+interpreted = pytest.mark.skipif(not interpreting(), reason="runs in test_in_the_interpreter's subprocess")
+
+
+@pytest.mark.skipif(interpreting(), reason="the interpreter is on: the tests run in this process")
+def test_in_the_interpreter():
+    """This module's `interpreted` tests, in a pytest subprocess under TRITON_INTERPRET=1: each must pass."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", __file__]
+    result = subprocess.run(command, cwd=Path(__file__).parent.parent, capture_output=True, text=True,
+                            env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=900)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed, 1 skipped" in result.stdout, result.stdout[-2000:]  # skipped there: this test alone
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The kernel module (defined under the interpreter, which is on wherever these tests run)."""
+    from nanoserve.kernels import triton_attention
+    return triton_attention
+
+
+def paged_cache(seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                seed: int):
+    """Random caches `[num_blocks, block_size, Hkv, D]`, each request's blocks shuffled, block 0 (the null
+    block) left to padding; and block_tables `[B, max_blocks]` int32 padded with 0."""
+    rng = random.Random(seed)
+    needed = [-(-n // block_size) for n in seq_lens]
+    free = list(range(1, sum(needed) + 3))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in needed]
+    width = max(1, *needed)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    shape = (sum(needed) + 3, block_size, num_kv_heads, head_dim)
+    return torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), block_tables
+
+
+def check_against_reference(kernels, q_lens: list[int], k_lens: list[int], block_size: int, dtype: torch.dtype,
+                            num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+                            seed: int = 0) -> torch.Tensor:
+    """One paged_attention call for the whole batch, compared with the reference; returns the output."""
+    torch.manual_seed(seed)
+    k_cache, v_cache, block_tables = paged_cache(k_lens, block_size, num_kv_heads, head_dim, dtype, seed)
+    q = torch.randn(sum(q_lens), num_heads, head_dim).to(dtype)
+    query_start_loc, seq_lens = cumsum0(q_lens), torch.tensor(k_lens, dtype=torch.int32)
+    out = kernels.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 0.3)
+    expected = REFERENCE.flash_attn_varlen_func(q, k_cache, v_cache, query_start_loc, cumsum0(k_lens), max(q_lens),
+                                                max(k_lens), softmax_scale=0.3, causal=True, block_table=block_tables)
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
+    return out
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_chunks_and_decodes_in_one_call(kernels, block_size: int, dtype: torch.dtype):
+    """A whole prompt longer than a tile, a chunk after 37 cached keys (crossing blocks), decodes with
+    contexts crossing blocks and key tiles, a prompt of one token, more queries than keys (its first
+    queries see nothing) and a request with no key at all. Catches a top-left causal mask, a wrong
+    block (p // block_size) or offset, a tile of one request reading another's rows, keys lost at a
+    tile's or block's edge, NaN for a query without a key."""
+    q_lens = [70, 9, 1, 1, 1, 1, 6, 3]
+    k_lens = [70, 46, 33, 1, 64, 17, 4, 0]
+    out = check_against_reference(kernels, q_lens, k_lens, block_size, dtype, seed=block_size)
+    starts = cumsum0(q_lens)
+    assert torch.equal(out[starts[6]:starts[6] + 2], torch.zeros_like(out[:2]))  # 6 queries, 4 keys
+    assert torch.equal(out[starts[7]:], torch.zeros_like(out[starts[7]:]))     # no key at all
+
+
+@interpreted
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_grouped_query_attention(kernels, num_heads: int, num_kv_heads: int):
+    """Query head h reads KV head h // (num_heads // num_kv_heads); a group of 3 pads its tile rows to 4.
+    Catches a head read from the wrong KV head, a padding head row stored over a real one."""
+    check_against_reference(kernels, [5, 1, 1], [21, 40, 7], 16, torch.float32, num_heads, num_kv_heads, seed=3)
+
+
+@interpreted
+def test_decode_only_step_and_head_dim_not_a_power_of_two(kernels):
+    """A decode-only step (one query per request: the kernel's short tiles) of 20 requests, head_dim 24
+    rounded up to 32 in the tile. Catches a request found wrongly by the binary search over
+    query_start_loc, the padded head dims leaking into scores or output."""
+    rng = random.Random(5)
+    k_lens = [rng.randint(1, 80) for _ in range(20)]
+    check_against_reference(kernels, [1] * 20, k_lens, 16, torch.float16, head_dim=24, seed=5)
+
+
+@interpreted
+def test_padding_rows(kernels):
+    """A CUDA graph's padded decode step: the real requests, then padding requests of one key in slot 0
+    of the null block (their block table all 0), then rows of q past query_start_loc[-1]. The real
+    rows must equal the reference, the rows past the last request must be 0. Catches padding that
+    changes real rows, or rows past the last request left as garbage."""
+    k_lens = [30, 3, 17]
+    k_cache, v_cache, block_tables = paged_cache(k_lens, 16, 2, 16, torch.float32, seed=7)
+    padded_tables = torch.cat([block_tables, torch.zeros(2, block_tables.shape[1], dtype=torch.int32)])
+    q = torch.randn(7, 4, 16)  # 3 real rows, 2 padding requests, 2 rows past query_start_loc[-1]
+    seq_lens = torch.tensor(k_lens + [1, 1], dtype=torch.int32)
+    out = kernels.paged_attention(q, k_cache, v_cache, cumsum0([1] * 5), seq_lens, padded_tables, 0.3)
+    expected = REFERENCE.flash_attn_with_kvcache(q[:3, None], k_cache, v_cache, block_table=block_tables,
+                                                 cache_seqlens=torch.tensor(k_lens, dtype=torch.int32),
+                                                 softmax_scale=0.3, causal=True)[:, 0]
+    torch.testing.assert_close(out[:3], expected)
+    assert torch.equal(out[5:], torch.zeros(2, 4, 16))
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kvcache_matches_the_torch_one(kernels, dtype: torch.dtype):
+    """k as the model makes it, a view into one qkv tensor (not contiguous), v contiguous, written into slots
+    crossing blocks; the cache must equal what attention.store_kvcache writes, the null block untouched.
+    Catches k's strides taken for v's, a slot's block or offset computed wrongly, a head or dim dropped."""
+    torch.manual_seed(11)
+    qkv = torch.randn(5, 4 + 2 * 3, 24).to(dtype)  # [N, H + 2 * Hkv, D] with Hkv = 3: not a power of two
+    k, v = qkv[:, 4:7], qkv[:, 7:].contiguous()  # k a view, v not: each read through its own strides
+    slot_mapping = torch.tensor([16, 17, 47, 48, 95], dtype=torch.int64)
+    caches = [torch.zeros(6, 16, 3, 24, dtype=dtype) for _ in range(4)]
+    kernels.store_kvcache(k, v, caches[0], caches[1], slot_mapping)
+    store_kvcache(k, v, caches[2], caches[3], slot_mapping)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0][0].abs().sum() == 0 and caches[0].abs().sum() > 0
+
+
+@interpreted
+def test_the_backend_stores_then_attends(kernels):
+    """TritonBackend.forward on a prompt chunk after cached keys: the step's own keys are written first
+    and then read through the block table. Catches attention run before the store (a query missing
+    its own key) or k and v swapped."""
+    torch.manual_seed(13)
+    k_cache, v_cache, block_tables = paged_cache([20], 16, 2, 16, torch.float32, seed=13)
+    batch = batch_of([4], [20], block_tables)
+    positions = torch.arange(16, 20)
+    slots = block_tables[0, positions // 16].long() * 16 + positions % 16
+    batch = type(batch)(**{**batch.__dict__, "slot_mapping": slots})
+    q, k, v = torch.randn(4, 4, 16), torch.randn(4, 2, 16), torch.randn(4, 2, 16)
+    out = TritonBackend(0.3).forward(q, k, v, k_cache, v_cache, batch)
+    assert torch.equal(k_cache.view(-1, 2, 16)[slots], k) and torch.equal(v_cache.view(-1, 2, 16)[slots], v)
+    expected = REFERENCE.flash_attn_varlen_func(q, k_cache, v_cache, cumsum0([4]), cumsum0([20]), 4, 20,
+                                                softmax_scale=0.3, causal=True, block_table=block_tables)
+    torch.testing.assert_close(out, expected)
