@@ -43,6 +43,7 @@ from torch import Tensor
 from nanoserve.batch import Batch
 from nanoserve.config import cdiv
 from nanoserve.device import upload
+from nanoserve.triton_backend import TritonBackend, uses_triton
 
 
 def store_kvcache(k: Tensor, v: Tensor, k_cache: Tensor,
@@ -214,26 +215,29 @@ class FlashBackend:
                                 causal=True, block_table=batch.block_tables)
 
 
-AttentionBackend = TorchBackend | FlashBackend
+AttentionBackend = TorchBackend | FlashBackend | TritonBackend  # triton: our own kernel, triton_backend.py
 AttentionMetadata = AttentionPlan | Batch  # what each backend's prepare returns
-BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend, "flash": FlashBackend}
+BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend, "flash": FlashBackend, "triton": TritonBackend}
 
 
 # ----------------------------------------------------------------------------- choosing a backend
 
 def select_attention(name: str, block_size: int | str, device: torch.device, dtype: torch.dtype,
                      head_dim: int) -> tuple[str, int]:
-    """Resolve the attention backend ("auto" | "torch" | "flash") and block_size (an int or "auto")
-    together, failing at start-up, not mid-run, on a choice that cannot serve. flash-attn pages its KV
-    cache in whole 256-token blocks: "auto" takes flash with block_size 256 wherever flash-attn 2 can
-    run, and the torch backend with block_size 16 (vLLM's default) everywhere else."""
+    """Resolve the attention backend ("auto" | "torch" | "flash" | "triton") and block_size (an int or
+    "auto") together, failing at start-up, not mid-run, on a choice that cannot serve. flash-attn pages its
+    KV cache in whole 256-token blocks: "auto" takes flash with block_size 256 wherever flash-attn 2 can
+    run; elsewhere block_size 16 (vLLM's default), with the triton backend on CUDA where triton is
+    importable (triton_backend.uses_triton) and the torch backend everywhere else (CPU, MPS)."""
     if name not in ("auto", *BACKENDS):
-        raise ValueError(f"unknown attention backend {name!r}; choose 'auto', 'torch' or 'flash'")
+        raise ValueError(f"unknown attention backend {name!r}; choose 'auto', 'torch', 'flash' or 'triton'")
     why_not = "attention_backend='torch'" if name == "torch" else why_not_flash(device, dtype, head_dim)
     block_size = (16 if why_not else 256) if block_size == "auto" else block_size
     if name == "flash" and (why_not or block_size % 256):
         why_not = why_not or f"block_size={block_size} is not a multiple of 256 (a flash-attn page)"
         raise ValueError(f"the flash attention backend cannot run here: {why_not}")
+    if uses_triton(name, device, dtype, flash_runs=not (why_not or block_size % 256)):
+        return "triton", block_size
     return ("torch" if why_not or block_size % 256 else "flash"), block_size
 
 

@@ -76,7 +76,7 @@ class Config:
     enable_prefix_caching: bool = True
     dtype: str = "auto"                       # auto: the checkpoint's (float32 -> bfloat16 on CUDA, sm < 80: float16)
     device: str | None = None                 # None: cuda if available, else cpu; or "mps" (Apple)
-    attention_backend: str = "auto"           # "auto" | "flash" | "torch"
+    attention_backend: str = "auto"           # "auto" | "flash" | "triton" | "torch"
     scheduling: str = "continuous"            # "continuous" | "static" (the baseline)
     gpu_memory_utilization: float = 0.9       # share of GPU memory for weights + KV cache
     tensor_parallel_size: int = 1             # processes (ranks) the model is split over (parallel.py)

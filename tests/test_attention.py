@@ -19,6 +19,7 @@ from nanoserve import LLMEngine, SamplingParams, attention
 from nanoserve.attention import BACKENDS, FlashBackend, paged_attention, plan_attention, select_attention, store_kvcache
 from nanoserve.batch import Batch
 from nanoserve.config import Config
+from nanoserve.triton_backend import why_not_triton
 
 # flash-attn's checks, relaxed for these tests' float32 and pages of 1 to 16 tokens only
 RELAXED = FlashReference(page_multiple=1, allow_float32=True)
@@ -381,6 +382,8 @@ def test_backend_walkthrough(name: str, flash_attn_is_the_reference):
 # ----------------------------------------------------------------------------- choosing a backend on a GPU
 
 CUDA, BF16 = torch.device("cuda"), torch.bfloat16
+# where flash-attn cannot serve on CUDA: our triton kernel, or the torch backend where triton is not installed
+CUDA_FALLBACK = "torch" if why_not_triton(CUDA, BF16) else "triton"
 
 
 def without_block_table(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -402,11 +405,11 @@ def test_flash_and_256_by_default_where_flash_attn_2_runs(gpu):
     assert select_attention("auto", "auto", CUDA, BF16, 64) == ("flash", 256)
     assert select_attention("auto", "auto", CUDA, torch.float16, 256) == ("flash", 256)
     assert select_attention("flash", 512, CUDA, BF16, 64) == ("flash", 512)
-    # an explicit block_size that is no flash-attn page, or the torch backend asked for, keeps torch
-    assert select_attention("auto", 16, CUDA, BF16, 64) == ("torch", 16)
+    # an explicit block_size that is no flash-attn page takes the fallback; the torch backend asked for, torch
+    assert select_attention("auto", 16, CUDA, BF16, 64) == (CUDA_FALLBACK, 16)
     assert select_attention("torch", "auto", CUDA, BF16, 64) == ("torch", 16)
     assert select_attention("auto", "auto", torch.device("cpu"), BF16, 64) == ("torch", 16)
-    with pytest.raises(ValueError, match="choose 'auto', 'torch' or 'flash'"):
+    with pytest.raises(ValueError, match="choose 'auto', 'torch', 'flash' or 'triton'"):
         select_attention("flashinfer", "auto", CUDA, BF16, 64)
     with pytest.raises(ValueError, match="block_size=16 is not a multiple of 256"):
         select_attention("flash", 16, CUDA, BF16, 64)
@@ -433,11 +436,11 @@ REFUSALS = {  # how the condition is forced -> what the error names
 
 @pytest.mark.parametrize("case", REFUSALS)
 def test_flash_refused_where_it_cannot_run(case, gpu, tmp_path):
-    """"auto" falls back to torch with block_size 16; "flash" asked for is a ValueError naming why, at
-    start-up. The bug each catches: flash chosen where its first forward fails mid-run."""
+    """"auto" falls back to triton (torch without it) with block_size 16; "flash" asked for is a ValueError
+    naming why, at start-up. The bug each catches: flash chosen where its first forward fails mid-run."""
     force, reason = REFUSALS[case]
     force(gpu, tmp_path)
-    assert select_attention("auto", "auto", CUDA, BF16, 64) == ("torch", 16)
+    assert select_attention("auto", "auto", CUDA, BF16, 64) == (CUDA_FALLBACK, 16)
     with pytest.raises(ValueError, match=reason):
         select_attention("flash", 256, CUDA, BF16, 64)
 
@@ -445,7 +448,7 @@ def test_flash_refused_where_it_cannot_run(case, gpu, tmp_path):
 @pytest.mark.parametrize("dtype, head_dim, reason", [(torch.float32, 64, "float16 or bfloat16"),
                                                      (BF16, 12, "head_dim"), (BF16, 320, "head_dim")])
 def test_flash_refused_for_the_model(gpu, dtype, head_dim, reason):
-    assert select_attention("auto", "auto", CUDA, dtype, head_dim) == ("torch", 16)
+    assert select_attention("auto", "auto", CUDA, dtype, head_dim) == (CUDA_FALLBACK, 16)
     with pytest.raises(ValueError, match=reason):
         select_attention("flash", 256, CUDA, dtype, head_dim)
 

@@ -1,6 +1,6 @@
 """Tests for the triton attention backend (nanoserve/triton_backend.py) and its kernels
 (nanoserve/kernels/triton_attention.py) on a CPU, in Triton's interpreter: the kernels against
-tests/flash_reference.py (the plain per-request formulation).
+tests/flash_reference.py (the plain per-request formulation), the engine against transformers.
 
 Triton reads TRITON_INTERPRET when it defines a kernel, its own library's included, at its first import:
 the variable must be set before anything imports triton, and set, it would reach every other test. So
@@ -24,8 +24,11 @@ pytest.importorskip("triton", reason="triton cannot be imported here (it has no 
 
 from test_attention import batch_of, cumsum0  # noqa: E402
 
+import conftest  # noqa: E402
+from conftest import greedy  # noqa: E402
 from flash_reference import FlashReference  # noqa: E402
-from nanoserve.attention import store_kvcache  # noqa: E402
+from nanoserve import LLM  # noqa: E402
+from nanoserve.attention import select_attention, store_kvcache  # noqa: E402
 from nanoserve.triton_backend import TritonBackend, interpreting  # noqa: E402
 
 # flash-attn's checks, with float32 allowed and pages of 16 tokens (this kernel's smallest block_size)
@@ -172,3 +175,60 @@ def test_the_backend_stores_then_attends(kernels):
     expected = REFERENCE.flash_attn_varlen_func(q, k_cache, v_cache, cumsum0([4]), cumsum0([20]), 4, 20,
                                                 softmax_scale=0.3, causal=True, block_table=block_tables)
     torch.testing.assert_close(out, expected)
+
+
+# ----------------------------------------------------------------------------- the engine, end to end
+
+ENGINE_PROMPTS = [[5 + (7 * i + 3 * j) % 250 for j in range(n)] for i, n in enumerate((33, 5, 41, 27, 20, 1))]
+ENGINE_PROMPTS[3][:16] = ENGINE_PROMPTS[4][:16] = ENGINE_PROMPTS[0][:16]  # a 16-token block in common with 0
+ENGINE_MAX_TOKENS = [12, 20, 7, 15, 9, 18]
+
+
+@interpreted
+def test_engine_matches_transformers(tiny_models):
+    """LLM(attention_backend="triton") in float32 is token-exact with transformers' greedy generate,
+    through chunked prefill (32-token steps: the 41-token prompt in chunks, beside decodes), preemption
+    (4 blocks of 16 for five requests) and a prefix-cache hit (prompt 4 reuses prompt 0's first block). Catches
+    anything the kernel tests miss between the Batch and the kernels: a wrong array passed, a stale
+    slot after preemption, a prefix hit's cached keys not found."""
+    path = tiny_models["gqa"]
+    llm = LLM(path, attention_backend="triton", device="cpu", dtype="float32", block_size=16,
+              max_num_batched_tokens=32, num_kvcache_blocks=5, max_model_len=64)
+    assert isinstance(llm.engine.model_runner.model.model.attention, TritonBackend)
+    expected = conftest.reference(path, ENGINE_PROMPTS, ENGINE_MAX_TOKENS)
+    [first] = llm.generate(ENGINE_PROMPTS[:1], [greedy(ENGINE_MAX_TOKENS[0])], use_tqdm=False)
+    rest = llm.generate(ENGINE_PROMPTS[1:], [greedy(n) for n in ENGINE_MAX_TOKENS[1:]], use_tqdm=False)
+    assert [o.token_ids for o in [first, *rest]] == expected
+    assert rest[3].num_cached_tokens == 16  # the prefix hit
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+# ----------------------------------------------------------------------------- choosing the backend
+
+def test_triton_forced_on_a_cpu_needs_the_interpreter(monkeypatch):
+    """attention_backend="triton" on a CPU is a ValueError naming TRITON_INTERPRET without it, and runs
+    with it; "auto" on a CPU stays the torch backend either way; bfloat16 under the interpreter is refused.
+    Catches the GPU kernel launched on CPU tensors, or the interpreter picked where nobody asked."""
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        select_attention("triton", "auto", cpu, torch.float32, 16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_attention("triton", "auto", cpu, torch.float32, 16) == ("triton", 16)
+    assert select_attention("triton", 32, cpu, torch.float16, 16) == ("triton", 32)
+    assert select_attention("auto", "auto", cpu, torch.float32, 16) == ("torch", 16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        select_attention("triton", "auto", cpu, torch.bfloat16, 16)
+
+
+def test_auto_on_cuda_takes_triton_where_flash_cannot_run(monkeypatch):
+    """On CUDA without flash-attn 2, "auto" is the triton backend; where flash runs, flash stays.
+    Catches the CPU-tuned torch backend chosen on a GPU, or triton shadowing flash."""
+    from nanoserve import attention
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(attention, "why_not_flash", lambda device, dtype, head_dim: "flash-attn is not importable")
+    assert select_attention("auto", "auto", cuda, torch.bfloat16, 128) == ("triton", 16)
+    assert select_attention("torch", "auto", cuda, torch.bfloat16, 128) == ("torch", 16)
+    monkeypatch.setattr(attention, "why_not_flash", lambda device, dtype, head_dim: None)
+    assert select_attention("auto", "auto", cuda, torch.bfloat16, 128) == ("flash", 256)
+    assert select_attention("triton", "auto", cuda, torch.bfloat16, 128) == ("triton", 256)
