@@ -129,5 +129,5 @@ def test_where_graphs_are_not_captured(tiny_models, monkeypatch, caplog):
             assert cuda_graphs.capture_graphs(runner, asked, 64) is None
     prefix = "enforce_eager=False, but decode steps run without CUDA graphs: "
     assert [r.getMessage() for r in caplog.records] == [
-        prefix + "they need the flash attention backend", prefix + "not with tensor parallelism",
+        prefix + "they need the flash or triton attention backend", prefix + "not with tensor parallelism",
         prefix + "RuntimeError: planted: operation not permitted when stream is capturing"]

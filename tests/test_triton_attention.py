@@ -27,8 +27,9 @@ from test_attention import batch_of, cumsum0  # noqa: E402
 import conftest  # noqa: E402
 from conftest import greedy  # noqa: E402
 from flash_reference import FlashReference  # noqa: E402
-from nanoserve import LLM  # noqa: E402
+from nanoserve import LLM, cuda_graphs  # noqa: E402
 from nanoserve.attention import select_attention, store_kvcache  # noqa: E402
+from nanoserve.config import cdiv  # noqa: E402
 from nanoserve.triton_backend import TritonBackend, interpreting  # noqa: E402
 
 # flash-attn's checks, with float32 allowed and pages of 16 tokens (this kernel's smallest block_size)
@@ -201,6 +202,30 @@ def test_engine_matches_transformers(tiny_models):
     assert [o.token_ids for o in [first, *rest]] == expected
     assert rest[3].num_cached_tokens == 16  # the prefix hit
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+@interpreted
+def test_decode_graphs_with_the_triton_backend(tiny_models, monkeypatch):
+    """Decode graphs (cuda_graphs.py) over the triton backend, in their CPU dry run: `capture` replaced by
+    one whose replay runs the captured function again on the same static Batch. Token-exact with
+    transformers through graphs of 1, 2, 4 and 8 rows with padding rows. Catches a kernel that reads
+    a Python value a graph would freeze, or padding rows (slot 0 of the null block) reaching real ones."""
+    monkeypatch.setattr(cuda_graphs, "capture", lambda run, pool: (run, None))
+    replays = []
+    replay = cuda_graphs.DecodeGraphs.replay
+
+    def recorded(self, batch):
+        replays.append((len(batch.seq_lens), next(s for s in self.sizes if s >= len(batch.seq_lens))))
+        return replay(self, batch)
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "replay", recorded)
+    path = tiny_models["gqa"]
+    llm = LLM(path, attention_backend="triton", device="cpu", dtype="float32", block_size=16, max_num_seqs=8)
+    runner = llm.engine.model_runner
+    runner.graphs = cuda_graphs.DecodeGraphs(runner.model, runner.kv_cache, 8, cdiv(llm.engine.max_model_len, 16))
+    outputs = llm.generate(ENGINE_PROMPTS, [greedy(n) for n in ENGINE_MAX_TOKENS], use_tqdm=False)
+    assert [o.token_ids for o in outputs] == conftest.reference(path, ENGINE_PROMPTS, ENGINE_MAX_TOKENS)
+    assert any(n < size for n, size in replays) and {1, 2, 4, 8} <= {size for _, size in replays}
+    assert runner.kv_cache[:, :, 0, 1:].abs().sum() == 0  # padding writes slot 0 of the null block alone
 
 
 # ----------------------------------------------------------------------------- choosing the backend

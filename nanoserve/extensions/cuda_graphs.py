@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps: on CUDA, with the flash backend and `enforce_eager=False`, a step in which
+"""CUDA graphs for decode steps: on CUDA, with the flash or triton backend and `enforce_eager=False`, a step in which
 every request brings one token replays a graph captured at start-up instead of launching the model's
 kernels one by one from Python.
 
@@ -10,13 +10,15 @@ captured with, in the same shape. So, as nano-vllm and vLLM do:
   (largest first; the others share its memory pool), each over a static `Batch` of that many rows.
 - A decode step of B requests copies its arrays into the first B rows and replays the smallest graph
   of at least B rows. Rows past B are padding: token 0 at position 0, its k and v written to slot 0,
-  which it then reads as its one key. Slot 0 is in the null block (attention.py): flash-attn reads a
-  request's keys through its own block table, which never names block 0, so padding is harmless.
+  which it then reads as its one key. Slot 0 is in the null block (attention.py): flash-attn and the
+  triton kernel read a request's keys through its own block table, which never names block 0 among
+  its first seq_lens keys, so padding is harmless.
 - A graph ends at the model's final norm (`[rows, hidden]`); lm_head runs after the replay on the rows
   `logits_indices` names, as in the eager model: the logits of every padded row, kept for every graph,
   would take far more memory.
 - Prompts, mixed steps and steps with draft tokens (spec_decode.py) run the model as they are.
-Only with the flash backend: the torch backend's per-step plan is Python data (attention.py) that a
+Only with the flash or triton backend, whose inputs are the Batch's tensors (the triton kernel's grid
+depends only on their shapes): the torch backend's per-step plan is Python data (attention.py) that a
 graph would freeze. Not with tensor parallelism.
 """
 from __future__ import annotations
@@ -78,7 +80,7 @@ def capture_graphs(runner: Runner, config: Config, max_model_len: int) -> Decode
     be captured here, after one log line naming why (decode steps then run without)."""
     if config.enforce_eager or runner.device.type != "cuda":
         return None
-    why = ("they need the flash attention backend" if runner.backend != "flash" else
+    why = ("they need the flash or triton attention backend" if runner.backend not in ("flash", "triton") else
            "not with tensor parallelism" if config.tensor_parallel_size > 1 else None)
     if why is None:
         try:

@@ -174,5 +174,5 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs 16 or more
         BLOCK_M=block_m, TILE_N=32,
         # float32 on a GPU: exact products, not TF32's, so that float32 stays token-exact with transformers
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None)  # None: the default for 16 bits
     return out
