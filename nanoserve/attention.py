@@ -43,7 +43,7 @@ from torch import Tensor
 from nanoserve.batch import Batch
 from nanoserve.config import cdiv
 from nanoserve.device import upload
-from nanoserve.triton_backend import TritonBackend, uses_triton
+from nanoserve.triton_backend import TritonBackend, TritonMetadata, uses_triton
 
 
 def store_kvcache(k: Tensor, v: Tensor, k_cache: Tensor,
@@ -216,7 +216,7 @@ class FlashBackend:
 
 
 AttentionBackend = TorchBackend | FlashBackend | TritonBackend  # triton: our own kernel, triton_backend.py
-AttentionMetadata = AttentionPlan | Batch  # what each backend's prepare returns
+AttentionMetadata = AttentionPlan | Batch | TritonMetadata  # what each backend's prepare returns
 BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend, "flash": FlashBackend, "triton": TritonBackend}
 
 
@@ -236,7 +236,7 @@ def select_attention(name: str, block_size: int | str, device: torch.device, dty
     if name == "flash" and (why_not or block_size % 256):
         why_not = why_not or f"block_size={block_size} is not a multiple of 256 (a flash-attn page)"
         raise ValueError(f"the flash attention backend cannot run here: {why_not}")
-    if uses_triton(name, device, dtype, flash_runs=not (why_not or block_size % 256)):
+    if uses_triton(name, device, dtype, not (why_not or block_size % 256)):  # the last: whether flash runs
         return "triton", block_size
     return ("torch" if why_not or block_size % 256 else "flash"), block_size
 

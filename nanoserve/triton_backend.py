@@ -2,14 +2,17 @@
 one launch per layer for the whole flat batch, reading the cache through `block_tables`.
 
 It has the shape of attention.py's backends: `prepare(batch, block_size, dtype)` once per step returns
-the Batch itself (the kernels read its arrays, as flash-attn does), `forward(q, k, v, k_cache, v_cache,
-batch)` per layer. It is what "auto" picks on CUDA where flash-attn 2 cannot serve
-(attention.select_attention). On a CPU it runs only when asked for and TRITON_INTERPRET=1 is set:
+the Batch's four arrays the kernels read (`TritonMetadata`: tensors only), `forward(q, k, v, k_cache,
+v_cache, metadata)` per layer calls one custom op, `nanoserve::triton_attention`, whose inputs are
+tensors only. So a compiled step guards on tensors, never on Python lists or host copies of lengths,
+and traces the op as it is (compilation.py). It is what "auto" picks on CUDA where flash-attn 2 cannot
+serve (attention.select_attention). On a CPU it runs only when asked for and TRITON_INTERPRET=1 is set:
 Triton's interpreter then runs the kernels in numpy, slowly, to debug the GPU path on a laptop.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -17,23 +20,48 @@ from torch import Tensor
 from nanoserve.batch import Batch
 
 
+@dataclass(frozen=True)
+class TritonMetadata:
+    """What every layer's attention shares in a step: the Batch's arrays the kernels read, nothing else."""
+    slot_mapping: Tensor     # [N] int64
+    query_start_loc: Tensor  # [B+1] int32
+    seq_lens: Tensor         # [B] int32
+    block_tables: Tensor     # [B, max_blocks] int32
+
+
+@torch.library.custom_op("nanoserve::triton_attention", mutates_args=("k_cache", "v_cache"))
+def triton_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                     query_start_loc: Tensor, seq_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
+    """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`: the step's k, v written into their slots first,
+    so that each query finds its own token's key through the block table like any other."""
+    # imported only when run: triton reads TRITON_INTERPRET as the kernels are defined
+    from nanoserve.kernels import triton_attention as kernels
+    kernels.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    return kernels.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+
+
+@triton_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+      query_start_loc: Tensor, seq_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
+    """The output's shape for torch.compile's tracing: q's, laid out contiguously."""
+    return q.new_empty(q.shape)
+
+
 class TritonBackend:
     """Triton kernels on CUDA (or under TRITON_INTERPRET=1): one store, one attention launch per layer."""
 
     def __init__(self, scale: float) -> None:
-        # imported only when chosen: triton reads TRITON_INTERPRET as the kernels are defined
-        from nanoserve.kernels import triton_attention
-        self.scale, self.kernels = scale, triton_attention
+        self.scale = scale
 
-    def prepare(self, batch: Batch, block_size: int, dtype: torch.dtype) -> Batch:
-        return batch
+    def prepare(self, batch: Batch, block_size: int, dtype: torch.dtype) -> TritonMetadata:
+        return TritonMetadata(batch.slot_mapping, batch.query_start_loc, batch.seq_lens, batch.block_tables)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, batch: Batch) -> Tensor:
-        """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`: the step's k, v written into their slots
-        first, so that each query finds its own token's key through the block table like any other."""
-        self.kernels.store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
-        return self.kernels.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
-                                            batch.block_tables, self.scale)
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                metadata: TritonMetadata) -> Tensor:
+        """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`, in one custom op (triton_attention)."""
+        return torch.ops.nanoserve.triton_attention(q, k, v, k_cache, v_cache, metadata.slot_mapping,
+                                                    metadata.query_start_loc, metadata.seq_lens,
+                                                    metadata.block_tables, self.scale)
 
 
 def interpreting() -> bool:

@@ -171,11 +171,26 @@ def test_the_backend_stores_then_attends(kernels):
     slots = block_tables[0, positions // 16].long() * 16 + positions % 16
     batch = type(batch)(**{**batch.__dict__, "slot_mapping": slots})
     q, k, v = torch.randn(4, 4, 16), torch.randn(4, 2, 16), torch.randn(4, 2, 16)
-    out = TritonBackend(0.3).forward(q, k, v, k_cache, v_cache, batch)
+    backend = TritonBackend(0.3)
+    out = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(batch, 16, torch.float32))
     assert torch.equal(k_cache.view(-1, 2, 16)[slots], k) and torch.equal(v_cache.view(-1, 2, 16)[slots], v)
     expected = REFERENCE.flash_attn_varlen_func(q, k_cache, v_cache, cumsum0([4]), cumsum0([20]), 4, 20,
                                                 softmax_scale=0.3, causal=True, block_table=block_tables)
     torch.testing.assert_close(out, expected)
+
+
+@interpreted
+def test_the_custom_op_passes_opcheck(kernels):
+    """torch.library.opcheck on nanoserve::triton_attention: its schema (k_cache, v_cache mutated, nothing
+    else), its fake implementation (the output's shape and dtype, for torch.compile) and its tracing.
+    Catches a mutation not declared, which a compiled step would reorder or drop, or a wrong fake output."""
+    torch.manual_seed(17)
+    k_cache, v_cache, block_tables = paged_cache([20, 3], 16, 2, 16, torch.float32, seed=17)
+    q, k, v = torch.randn(5, 4, 16), torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    slot_mapping = (block_tables[[0, 0, 0, 0, 1], [1, 1, 1, 1, 0]].long() * 16 + torch.tensor([16, 17, 18, 19, 2]) % 16)
+    args = (q, k, v, k_cache, v_cache, slot_mapping, cumsum0([4, 1]), torch.tensor([20, 3], dtype=torch.int32),
+            block_tables, 0.3)
+    torch.library.opcheck(torch.ops.nanoserve.triton_attention.default, args)
 
 
 # ----------------------------------------------------------------------------- the engine, end to end
@@ -226,6 +241,22 @@ def test_decode_graphs_with_the_triton_backend(tiny_models, monkeypatch):
     assert [o.token_ids for o in outputs] == conftest.reference(path, ENGINE_PROMPTS, ENGINE_MAX_TOKENS)
     assert any(n < size for n, size in replays) and {1, 2, 4, 8} <= {size for _, size in replays}
     assert runner.kv_cache[:, :, 0, 1:].abs().sum() == 0  # padding writes slot 0 of the null block alone
+
+
+@interpreted
+def test_the_compiled_step_never_recompiles(tiny_models, monkeypatch):
+    """enforce_eager=False with the triton backend (compilation.py: the layers compiled, attention between
+    them eager), then a run of prompt chunks, decodes and preemption with torch's error_on_recompile on,
+    token-exact with transformers. Catches attention metadata that a guard reads as Python values
+    (lengths, lists, host arrays), which would recompile as they change."""
+    path = tiny_models["gqa"]
+    llm = LLM(path, attention_backend="triton", enforce_eager=False, device="cpu", dtype="float32",
+              block_size=16, max_num_batched_tokens=32, num_kvcache_blocks=5, max_model_len=64)
+    assert llm.engine.model_runner.compiled
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    outputs = llm.generate(ENGINE_PROMPTS, [greedy(n) for n in ENGINE_MAX_TOKENS], use_tqdm=False)
+    assert [o.token_ids for o in outputs] == conftest.reference(path, ENGINE_PROMPTS, ENGINE_MAX_TOKENS)
+    assert llm.engine.scheduler.num_preemptions > 0
 
 
 # ----------------------------------------------------------------------------- choosing the backend
