@@ -4,8 +4,9 @@ one launch per layer for the whole flat batch, reading the cache through `block_
 It has the shape of attention.py's backends: `prepare(batch, block_size, dtype)` once per step returns
 the Batch's four arrays the kernels read (`TritonMetadata`: tensors only), `forward(q, k, v, k_cache,
 v_cache, metadata)` per layer calls one custom op, `nanoserve::triton_attention`, whose inputs are
-tensors only. So a compiled step guards on tensors, never on Python lists or host copies of lengths,
-and traces the op as it is (compilation.py). It is what "auto" picks on CUDA where flash-attn 2 cannot
+tensors only. So a compiled step guards on tensors, never on Python lists or host copies of lengths
+(compilation.py runs attention eager between the compiled pieces, as for every backend; the op is what
+lets torch.compile trace a whole step through attention). It is what "auto" picks on CUDA where flash-attn 2 cannot
 serve (attention.select_attention). On a CPU it runs only when asked for and TRITON_INTERPRET=1 is set:
 Triton's interpreter then runs the kernels in numpy, slowly, to debug the GPU path on a laptop.
 """

@@ -9,8 +9,9 @@ Who reads what. The flat batch's N query rows are cut into tiles of BLOCK_Q rows
 a new tile, so a tile never mixes two requests. One program owns one (query tile, KV head):
 
     q rows:        | request 0: 5 queries | 1 | request 2: 7 queries      |    (BLOCK_Q = 4)
-    query tiles:   | tile 0     | tile 1  | 2 | tile 3       | tile 4     |
+    query tiles:   | tile 0     | tile 1  | 2 | tile 3       | tile 4     |    tile 5: spare
     grid:          (N // BLOCK_Q + B, num_kv_heads): enough tiles for any lengths; spare programs exit
+    request b's first tile: query_start_loc[b] // BLOCK_Q + b (a binary search finds a tile's request)
 
     program (tile t of request b, KV head g):
         its rows:  the tile's queries x the query heads that read KV head g (grouped-query attention)
@@ -76,7 +77,8 @@ def find_request(query_start_loc_ptr, num_requests, tile, BLOCK_Q: tl.constexpr)
     return lo
 
 
-@triton.jit(do_not_specialize=["num_requests"])  # one compiled kernel for every batch size
+# one compiled kernel for every batch size and table width (triton would specialize ints equal to 1 or divisible by 16)
+@triton.jit(do_not_specialize=["num_requests", "block_table_stride"])
 def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                            query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, num_requests, scale,
                            q_token_stride, q_head_stride, out_token_stride, out_head_stride,
