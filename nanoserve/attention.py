@@ -43,7 +43,7 @@ from torch import Tensor
 from nanoserve.batch import Batch
 from nanoserve.config import cdiv
 from nanoserve.device import upload
-from nanoserve.triton_backend import TritonBackend, TritonMetadata, uses_triton
+from nanoserve.triton_backend import TritonBackend, TritonMetadata, choose_backend
 
 
 def store_kvcache(k: Tensor, v: Tensor, k_cache: Tensor,
@@ -228,7 +228,7 @@ def select_attention(name: str, block_size: int | str, device: torch.device, dty
     "auto") together, failing at start-up, not mid-run, on a choice that cannot serve. flash-attn pages its
     KV cache in whole 256-token blocks: "auto" takes flash with block_size 256 wherever flash-attn 2 can
     run; elsewhere block_size 16 (vLLM's default), with the triton backend on CUDA where triton is
-    importable (triton_backend.uses_triton) and the torch backend everywhere else (CPU, MPS)."""
+    importable (triton_backend.choose_backend) and the torch backend everywhere else (CPU, MPS)."""
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown attention backend {name!r}; choose 'auto', 'torch', 'flash' or 'triton'")
     why_not = "attention_backend='torch'" if name == "torch" else why_not_flash(device, dtype, head_dim)
@@ -236,9 +236,8 @@ def select_attention(name: str, block_size: int | str, device: torch.device, dty
     if name == "flash" and (why_not or block_size % 256):
         why_not = why_not or f"block_size={block_size} is not a multiple of 256 (a flash-attn page)"
         raise ValueError(f"the flash attention backend cannot run here: {why_not}")
-    if uses_triton(name, device, dtype, not (why_not or block_size % 256)):  # the last: whether flash runs
-        return "triton", block_size
-    return ("torch" if why_not or block_size % 256 else "flash"), block_size
+    # flash where it runs; else the triton kernel on CUDA, the torch backend elsewhere (triton_backend.py)
+    return choose_backend(name, device, dtype, flash_runs=not (why_not or block_size % 256)), block_size
 
 
 def why_not_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:

@@ -87,14 +87,17 @@ def why_not_triton(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def uses_triton(name: str, device: torch.device, dtype: torch.dtype, flash_runs: bool) -> bool:
-    """Whether select_attention takes the triton backend: when asked for ("triton"; a ValueError naming
-    why where it cannot run), or under "auto" on CUDA where flash-attn does not run and triton does.
-    Any block_size serves: each key finds its own block."""
+def choose_backend(name: str, device: torch.device, dtype: torch.dtype, flash_runs: bool) -> str:
+    """The last word of attention.select_attention, once flash-attn's case is known: "triton" when asked for
+    (a ValueError naming why where it cannot run); else "flash" where it runs; else "triton" under "auto"
+    on CUDA where triton is importable; else "torch". Any block_size serves triton: each key finds its
+    own block."""
     if name == "triton":
         why_not = why_not_triton(device, dtype)
         if why_not:
             raise ValueError(f"the triton attention backend cannot run here: {why_not}")
-        return True
+        return "triton"
+    if flash_runs:
+        return "flash"
     on_cuda = torch.device(device).type == "cuda"
-    return name == "auto" and not flash_runs and on_cuda and not why_not_triton(device, dtype)
+    return "triton" if name == "auto" and on_cuda and not why_not_triton(device, dtype) else "torch"
