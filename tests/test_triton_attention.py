@@ -27,9 +27,10 @@ from test_attention import batch_of, cumsum0  # noqa: E402
 import conftest  # noqa: E402
 from conftest import greedy  # noqa: E402
 from flash_reference import FlashReference  # noqa: E402
-from nanoserve import LLM, cuda_graphs  # noqa: E402
+from nanoserve import LLM  # noqa: E402
 from nanoserve.attention import select_attention, store_kvcache  # noqa: E402
 from nanoserve.config import cdiv  # noqa: E402
+from nanoserve.extensions import cuda_graphs  # noqa: E402
 from nanoserve.triton_backend import TritonBackend, interpreting  # noqa: E402
 
 # flash-attn's checks, with float32 allowed and pages of 16 tokens (this kernel's smallest block_size)
