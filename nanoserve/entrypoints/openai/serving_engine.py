@@ -178,13 +178,15 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return {int(key): min(100.0, max(-100.0, value)) for key, value in bias.items()}
 
 
-def client_key(body: SamplingBody, headers: dict[str, str], peer: str | None) -> str:
-    """Who sent a request, for fair turns and per-client bounds: the body's `user` (OpenAI's end-user id), else
-    the API key (as a hash: it is never kept), else the peer's address."""
-    if body.user:
-        return "user:" + body.user
+def client_key(headers: dict[str, str], peer: str | None, by_api_key: bool) -> str:
+    """Who sent a request, for fair turns and per-client bounds: what the server knows of it, never what the
+    request says of itself. `by_api_key` (the server takes several API keys, one per client): the key it was
+    let in with (as a hash: it is never kept); else the peer's address, which behind a proxy the server trusts
+    (--forwarded-allow-ips) is the address the proxy forwards (uvicorn puts it in the request's client). The
+    body's `user`, and a Bearer value where no key is checked, are the client's to choose: a client sending a
+    new one with each request would make itself a new client each time, and take every turn."""
     scheme, _, key = headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and key.strip():
+    if by_api_key and scheme.lower() == "bearer" and key.strip():
         return "key:" + hashlib.sha256(key.strip().encode()).hexdigest()[:16]
     return f"peer:{peer}"
 
@@ -221,8 +223,9 @@ class Serving:
     Handlers never call the engine; they use its tokenizer (from the tokenizer thread) and constants."""
 
     def __init__(self, engine: LLMEngine, model_name: str, limits: Limits, chat_template: str | None = None,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, clients_by_api_key: bool = False) -> None:
         self.model_name, self.limits = model_name, limits
+        self.clients_by_api_key = clients_by_api_key  # several API keys: a client is its key (`client_key`)
         self.chat_template = chat_template        # --chat-template: the model's own if None
         self.tool_call_parser = tool_call_parser  # tool_choice "auto" parses with it (None: plain text)
         self.model_path, self.max_model_len = engine.config.model, engine.max_model_len
