@@ -148,6 +148,9 @@ class ToolChatAPI(ChatAPI):
         super().__init__(body, *args)
         self.parse = self.choose_parser(body)
         self.max_calls = 1 if body.parallel_tool_calls is False else None
+        # "auto": the model wrote the calls freely; one that is no call of a declared tool is text
+        self.checks_calls = given_choice(body) == "auto"
+        self.declared = {tool.function.name for tool in body.tools or []}
         self.streams: dict[int, ToolCallStream] = {}  # a stream's choices: each its own
 
     def choose_parser(self, body: ChatBody) -> Parser | None:
@@ -165,6 +168,8 @@ class ToolChatAPI(ChatAPI):
             return super().choice(index, shown)
         parsed = self.parse(shown.text, True)
         calls = parsed.calls[:self.max_calls]
+        if not self.are_calls(calls):  # the whole text as content, finish_reason the engine's
+            return super().choice(index, shown)
         message = dict(role="assistant", content=parsed.content if parsed.content or not calls else None)
         if calls:
             message["tool_calls"] = [dict(id=new_call_id(), type="function",
@@ -185,8 +190,23 @@ class ToolChatAPI(ChatAPI):
         logprobs = self.logprobs_object(shown)
         if not delta and shown.finish_reason is None and logprobs is None:
             return None  # all of it held back
-        return dict(index=index, delta=delta, logprobs=logprobs,
-                    finish_reason=tool_finish_reason(shown.finish_reason, stream.calls))
+        finish_reason = tool_finish_reason(shown.finish_reason, stream.calls) if self.are_calls(stream.calls) \
+            else shown.finish_reason  # (calls already streamed cannot be taken back; the reason at least is true)
+        return dict(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+
+    def are_calls(self, calls: list[ToolCall]) -> bool:
+        """Under "auto", each whole call names a declared tool and its arguments are a JSON object: else the
+        output is no call (`{"city": Bath}`, `{"city": "Bath",}`, an undeclared function came back as calls with
+        finish_reason "tool_calls"). A call cut short (max_tokens) stays a call, as OpenAI answers."""
+        return not self.checks_calls or all(not call.complete or call.name in self.declared
+                                            and is_json_object(call.arguments) for call in calls)
+
+
+def is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def given_choice(body: ChatBody) -> str | NamedToolChoice:
