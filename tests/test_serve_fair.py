@@ -1,6 +1,7 @@
 """The server under hostile load, its admission side: bounded by default (completions per request, and
 in flight), slots that follow the engine rather than the socket, and a write timeout for a client that
 stops reading. (Fair turns between HTTP requests are tested on AsyncLLM: tests/test_async_llm.py.)"""
+import contextlib
 import json
 import logging
 import socket
@@ -8,12 +9,15 @@ import threading
 import time
 from dataclasses import replace
 
+import httpx
+import pytest
 from test_serve import ENGINE, NAME, model_path, post  # noqa: F401 (fixtures)
 
 from nanoserve import LLMEngine
 from nanoserve.config import Config
 from nanoserve.entrypoints.openai.api_server import ServerThread, build_app
 from nanoserve.entrypoints.openai.protocol import Limits
+from nanoserve.entrypoints.openai.serving_engine import client_key
 
 
 def start_server(path: str, max_num_seqs: int = 256, limits: Limits = Limits()) -> ServerThread:
@@ -125,26 +129,108 @@ def test_a_client_that_does_not_read_holds_no_slots_once_the_engine_is_done(mode
 
 def test_each_client_holds_at_most_its_share_of_the_in_flight_slots(model_path):  # noqa: F811
     """Catches: one bound for all clients (one client's 1,024 in flight gave everyone else 429 for 18 s), the
-    client taken from the wrong place (user, else the API key, else the peer address), slots not given back."""
-    from nanoserve.entrypoints.openai.protocol import CompletionBody
-    from nanoserve.entrypoints.openai.serving_engine import client_key
+    client taken from what the request says of itself (its user, an unchecked Bearer value), slots not given
+    back."""
     default = start_server(model_path, limits=Limits(max_num_queued_requests=16))
     default.stop()
     assert default.serving.max_in_flight_per_client == 14  # 7/8
     server = start_server(model_path, limits=Limits(max_num_queued_requests=6, max_num_queued_requests_per_client=3))
     try:
         serving = server.serving
-        hostile = client_key(CompletionBody(prompt="a", user="mallory"), {"authorization": "Bearer k1"}, "10.0.0.1")
-        keyed = client_key(CompletionBody(prompt="a"), {"authorization": "Bearer k1"}, "10.0.0.1")
-        peer = client_key(CompletionBody(prompt="a"), {}, "10.0.0.1")
-        assert len({hostile, keyed, peer}) == 3 and "k1" not in keyed
-        assert keyed == client_key(CompletionBody(prompt="b"), {"authorization": "bearer k1"}, "10.0.0.2")
-        serving.admit(3, hostile)  # as three long streams of mallory's would
-        reply = post(server, "/v1/completions", dict(prompt="Hi", max_tokens=1, user="mallory"))
-        assert reply.status_code == 429 and "this client" in reply.json()["error"]["message"]
-        assert post(server, "/v1/completions", dict(prompt="Hi", max_tokens=1, user="alice")).status_code == 200
-        serving.release(hostile, 3)
+        peer = client_key({}, "127.0.0.1", by_api_key=False)
+        assert peer == client_key({"authorization": "Bearer k1"}, "127.0.0.1", by_api_key=False)
+        keyed = client_key({"authorization": "Bearer k1"}, "10.0.0.1", by_api_key=True)
+        assert keyed != peer and "k1" not in keyed
+        assert keyed == client_key({"authorization": "bearer k1"}, "10.0.0.2", by_api_key=True)
+        serving.admit(3, peer)  # as three long streams from this address would
+        for user, bearer in ("mallory", "r1"), ("alice", "r2"):  # neither makes a new client
+            reply = post(server, "/v1/completions", dict(prompt="Hi", max_tokens=1, user=user),
+                         headers={"Authorization": f"Bearer {bearer}"})
+            assert reply.status_code == 429 and "this client" in reply.json()["error"]["message"], reply.text
+        serving.release(peer, 3)
         assert post(server, "/v1/completions", dict(prompt="Hi", max_tokens=1, user="mallory")).status_code == 200
         assert wait_until(lambda: serving.num_in_flight == 0 and not serving.in_flight_by_client)
     finally:
         server.stop()
+
+
+def can_bind(address: str) -> bool:
+    try:
+        with socket.socket() as sock:
+            sock.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def client_at(address: str) -> httpx.Client:
+    """An HTTP client whose connections come from `address` (any 127.x.y.z is the loopback on Linux)."""
+    return httpx.Client(timeout=60, transport=httpx.HTTPTransport(local_address=address))
+
+
+@pytest.mark.skipif(not (can_bind("127.0.0.2") and can_bind("127.0.0.3")),
+                    reason="this OS binds only 127.0.0.1 (macOS): no second loopback address to tell clients apart")
+def test_a_client_is_its_address_whatever_user_and_bearer_it_sends(model_path):  # noqa: F811
+    """Beside a client at its share, from 127.0.0.2, sending a new user and a new Bearer value with each request
+    (the server checks no key), a lone client from 127.0.0.3 is served, and the hostile one gets 429 each time.
+    Catches: fairness keyed by a value the client chooses (300 streams, each with a random user, made a lone
+    client wait 28.7 s for its first token, and took every in-flight slot: six 429s for the lone client)."""
+    server = start_server(model_path, limits=Limits(max_num_queued_requests=8, max_num_queued_requests_per_client=3))
+    body = dict(prompt="It is a truth", max_tokens=100, ignore_eos=True, stream=True)
+    try:
+        with client_at("127.0.0.2") as hostile, client_at("127.0.0.3") as lone, contextlib.ExitStack() as streams:
+            for i in range(3):
+                stream = streams.enter_context(hostile.stream(
+                    "POST", server.url + "/v1/completions", json={**body, "user": f"u{i}"},
+                    headers={"Authorization": f"Bearer random-{i}"}))
+                assert stream.status_code == 200
+            assert set(server.serving.in_flight_by_client) == {"peer:127.0.0.2"}
+            for i in range(3, 6):
+                reply = hostile.post(server.url + "/v1/completions", json=dict(prompt="Hi", max_tokens=1, user=f"u{i}"),
+                                     headers={"Authorization": f"Bearer random-{i}"})
+                assert reply.status_code == 429 and "this client" in reply.json()["error"]["message"], reply.text
+            reply = lone.post(server.url + "/v1/completions", json=dict(prompt="Emma", max_tokens=2))
+            assert reply.status_code == 200 and reply.json()["choices"][0]["text"], reply.text
+        assert wait_until(lambda: server.serving.num_in_flight == 0)
+    finally:
+        server.stop()
+
+
+def test_with_several_api_keys_each_key_is_a_client_and_a_proxy_is_trusted_only_when_named(model_path):  # noqa: F811
+    """Catches: several keys not taken (--api-key given twice, or a file of them), clients of different keys
+    sharing one share, X-Forwarded-For believed from any local client (uvicorn's default trusts 127.0.0.1),
+    and not believed from a proxy named by --forwarded-allow-ips."""
+    limits = Limits(max_num_queued_requests=8, max_num_queued_requests_per_client=3)
+    servers = [ServerThread(build_app(LLMEngine(Config.from_kwargs(model_path, **ENGINE)), NAME, limits=limits,
+                                      api_key=keys), forwarded_allow_ips=proxies).start()
+               for keys, proxies in ((["k1", "k2"], None), (None, "127.0.0.1"), (None, None))]
+    keyed, proxied, direct = servers
+    try:
+        keyed.serving.admit(3, client_key({"authorization": "Bearer k1"}, None, by_api_key=True))
+        assert post(keyed, "/v1/completions", dict(prompt="Hi", max_tokens=1),
+                    headers={"Authorization": "Bearer k1"}).status_code == 429
+        assert post(keyed, "/v1/completions", dict(prompt="Hi", max_tokens=1),
+                    headers={"Authorization": "Bearer k2"}).status_code == 200
+        assert post(keyed, "/v1/completions", dict(prompt="Hi", max_tokens=1),
+                    headers={"Authorization": "Bearer k3"}).status_code == 401
+        for server in proxied, direct:
+            server.serving.admit(3, "peer:10.0.0.7")
+        forwarded = {"X-Forwarded-For": "10.0.0.7"}
+        assert post(proxied, "/v1/completions", dict(prompt="Hi", max_tokens=1), headers=forwarded).status_code == 429
+        assert post(proxied, "/v1/completions", dict(prompt="Hi", max_tokens=1),
+                    headers={"X-Forwarded-For": "10.0.0.8"}).status_code == 200
+        assert post(direct, "/v1/completions", dict(prompt="Hi", max_tokens=1), headers=forwarded).status_code == 200
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_api_keys_come_from_the_command_line_and_a_file(tmp_path):
+    """Catches: --api-key taken once only (the last given winning), a key file's blank lines taken as keys."""
+    from nanoserve.entrypoints.openai.api_server import build_parser, read_api_keys
+    (tmp_path / "keys").write_text("k2\n\n k3 \n")
+    args = build_parser("serve").parse_args(["m", "--api-key", "k0", "--api-key", "k1", "--api-key-file",
+                                              str(tmp_path / "keys")])
+    assert read_api_keys(args.api_key, args.api_key_file) == ["k0", "k1", "k2", "k3"]
+    with pytest.raises(ValueError, match="cannot read"):
+        read_api_keys(None, str(tmp_path / "missing"))

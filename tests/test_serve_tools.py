@@ -10,6 +10,7 @@ pytest.importorskip("httpx")
 pytest.importorskip("jsonschema")
 pytest.importorskip("openai")
 import json
+import re
 
 import httpx
 import jsonschema
@@ -144,6 +145,44 @@ def test_auto_reads_hermes_calls_and_none_never_does(client, server, monkeypatch
         choice = chat(client, tool_choice=tool_choice or "auto", **fields).choices[0]
         assert choice.message.content == HERMES and not choice.message.tool_calls
         assert choice.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("call", ['{"name": "get_weather", "arguments": {"city": Bath}}',
+                                  '{"name": "get_weather", "arguments": {"city": "Bath",}}',
+                                  '{"name": "get_weather", "arguments": {"city": "Bath"]}',
+                                  '{"name": "launch_rockets", "arguments": {"city": "Bath"}}'],
+                         ids=["bare-word", "trailing-comma", "wrong-bracket", "undeclared"])
+def test_auto_returns_a_broken_call_as_content(client, call):
+    """Under "auto" the model writes calls freely: arguments that are no JSON object, or a function not in
+    tools, are no call. Catches: such a call returned in tool_calls with finish_reason "tool_calls" (hermes
+    and llama3_json both did), which a client then runs or fails to parse."""
+    text = f"Hi <tool_call>{call}</tool_call>"
+    regex = re.escape(text)
+    choice = chat(client, structured_outputs={"regex": regex}, max_tokens=120, temperature=0).choices[0]
+    assert choice.message.content == text and not choice.message.tool_calls, choice
+    assert choice.finish_reason == "stop"
+    assert streamed(client, structured_outputs={"regex": regex}, max_tokens=120, temperature=0)[2] == "stop"
+
+
+def test_required_with_parallel_tool_calls_omitted_allows_several_calls(client, server):
+    """tool_choice "required" with parallel_tool_calls omitted allows several calls, as with true (OpenAI's
+    default). Catches: a grammar that allows one call unless the flag is true (every other test passes false,
+    so a maxItems of 1 for an omitted flag went unnoticed)."""
+    from nanoserve.entrypoints.openai.protocol import ChatBody
+    from nanoserve.entrypoints.openai.serving_tools import TOOL_CHAT_APIS, forced_schema
+    for flag in (None, True):
+        body = ChatBody(model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                        **({} if flag is None else {"parallel_tool_calls": flag}))
+        assert "maxItems" not in forced_schema(body)
+    two = ('[{"name": "get_time", "parameters": {"zone": "GMT"}}, '
+           '{"name": "get_weather", "parameters": {"city": "Bath", "days": 2}}]')
+    body = ChatBody(model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required")
+    api = TOOL_CHAT_APIS["hermes"](body, [], 1, server.serving.token_strings)
+    assert api.max_calls is None and len(api.parse(two, True).calls[:api.max_calls]) == 2
+    # through the server: the grammar lets the model write the two calls
+    reply = post(server, "/v1/chat/completions", dict(model=NAME, messages=MESSAGES, tools=TOOLS, max_tokens=120,
+                                                      tool_choice="required", temperature=0), headers={})
+    assert reply.status_code == 200, reply.text
 
 
 def test_n_choices_are_each_their_own_request(client):

@@ -108,18 +108,28 @@ def test_preemption_mid_grammar_leaves_the_grammar_exact():
     llm.engine.assert_invariants()
 
 
-@pytest.mark.parametrize("spec", [dict(json={"type": "objekt"}), dict(regex="(a"), dict(grammar="root ::= nothing"),
-                                  dict(json="{not json")])
-def test_a_spec_the_library_rejects_is_a_value_error_naming_structured_outputs(austen, spec):
+def test_a_spec_that_is_no_json_is_a_value_error_naming_structured_outputs():
+    with pytest.raises(ValueError, match="structured_outputs") as error:
+        constrained(json="{not json")
+    assert error.value.param == "structured_outputs"
+
+
+@pytest.mark.parametrize("spec", [dict(json={"type": "objekt"}), dict(regex="(a"), dict(grammar="root ::= nothing")])
+def test_a_spec_the_library_rejects_fails_its_request_alone_naming_structured_outputs(austen, spec):
+    """The spec is parsed in a grammar worker's process (grammar_workers.py), so add_request takes it and the
+    request fails alone ("error") with an InvalidRequest naming structured_outputs; LLM.generate raises it.
+    Catches: a rejected spec failing the step (and the request beside it), or reported as an engine error."""
     engine = austen.engine
     other = engine.add_request("Emma", SamplingParams(max_tokens=3))
-    with pytest.raises(ValueError, match="structured_outputs") as error:
-        engine.add_request("Emma", constrained(**spec))
-    assert error.value.param == "structured_outputs"
-    finished = []
+    bad = engine.add_request("Emma", constrained(**spec))
+    finished = {}
     while engine.has_unfinished_requests():
-        finished += [o.request_id for o in engine.step().outputs]
-    assert finished == [other]
+        finished.update((o.request_id, o) for o in engine.step().outputs)
+    finished.update((o.request_id, o) for o in engine.step().outputs)
+    assert finished[bad].finish_reason == "error" and len(finished[other].outputs[0].token_ids) == 3
+    assert isinstance(finished[bad].error, ValueError) and finished[bad].error.param == "structured_outputs"
+    with pytest.raises(ValueError, match="structured_outputs"):
+        austen.generate(["Emma"], constrained(**spec), use_tqdm=False)
     engine.assert_invariants()
 
 

@@ -1,7 +1,7 @@
 """The requests an AsyncLLM has been given but not yet handed to the engine, taken in turns across
 clients (async_llm.py: the engine loop hands the engine only what its next step could run). A client is
-what `Submit.turn` says: the server's client key (the body's `user`, else the API key, else the peer
-address), else the request's stream.
+what `Submit.turn` says: the server's client key (its API key where the server takes several, else its
+peer address: serving_engine.client_key), else the request's stream.
 
 Invariant: a request id is in `stream_of` iff it is in exactly one of `streams`' FIFOs, and no FIFO in
 `streams` is empty.

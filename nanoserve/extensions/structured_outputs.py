@@ -2,11 +2,13 @@
 EBNF grammar), enforced one token at a time by a mask over the vocabulary, with xgrammar.
 
 A request's grammar goes through three stages (docs/structured-outputs.md):
-1. add_request parses the spec into an xgrammar Grammar (`GrammarCompiler.compile`): fast, and a spec
-   the library rejects is a ValueError naming structured_outputs there, before anything is queued;
-2. a background thread compiles it against the tokenizer's vocabulary (for each grammar state, which
-   tokens may follow: the costly part). Compiled grammars are cached by spec. The scheduler admits the
-   request only once its grammar is compiled; other requests run meanwhile;
+1. add_request checks the spec's cheap bounds (grammar_bounds.py: size, nesting, stacked quantifiers): a spec
+   past them is a ValueError naming structured_outputs there, before anything is queued;
+2. a background thread has a child process parse it and compile it against the tokenizer's vocabulary (for
+   each grammar state, which tokens may follow: the costly part; grammar_workers.py), so that a spec that
+   crashes xgrammar fails its own request only. Compiled grammars are cached by spec. The scheduler admits the
+   request only once its grammar is compiled; other requests run meanwhile; a spec the child refuses, crashes
+   on or takes too long over fails its request with an InvalidRequest naming structured_outputs;
 3. each step, `apply_grammar_masks` fills one bitmask row per constrained request from its matcher (the
    grammar's state after the output so far) and sets the logits of the tokens outside it to -inf; the
    sampled token then advances the matcher (`RequestGrammar.accept`, from Sequence.append_token).
@@ -23,12 +25,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from nanoserve.extensions.grammar_bounds import MAX_BYTES, MAX_DEPTH, check_bounds
+from nanoserve.extensions.grammar_workers import COMPILE_SECONDS, MEMORY_BYTES, GrammarWorker, Job
 from nanoserve.sampling_params import GrammarSpec, InvalidRequest, require
 
 if TYPE_CHECKING:
@@ -72,11 +76,9 @@ class StructuredOutputsParams(GrammarSpec):
         spec = json.loads(self.json) if isinstance(self.json, str) else self.json
         return json.dumps([spec, self.regex, self.choice, self.grammar, self.json_object], sort_keys=True)
 
-    @cached_property
-    def parsed(self) -> Any:
-        """The spec as an xgrammar Grammar (`parse_grammar`), parsed once: a server parses it in its tokenizer
-        thread, and the engine's add_request finds it parsed."""
-        return parse_grammar(self)
+    def as_dict(self) -> dict[str, Any]:
+        """The spec's fields by name, as check_bounds reads them."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def is_json(text: object) -> bool:
@@ -87,7 +89,8 @@ def is_json(text: object) -> bool:
 
 
 def parse_grammar(spec: StructuredOutputsParams) -> Any:
-    """The spec as an xgrammar Grammar; a spec xgrammar rejects is an InvalidRequest naming structured_outputs.
+    """In a grammar worker's process (grammar_workers.py), never the server's: the spec as an xgrammar Grammar;
+    a spec xgrammar rejects is an InvalidRequest naming structured_outputs.
     JSON has no free whitespace: a model that never saw JSON would pad it with spaces forever."""
     try:  # imported here: it takes seconds, and only structured outputs need it
         import xgrammar as xgr
@@ -150,44 +153,65 @@ class RequestGrammar:
 
 
 class GrammarCompiler:
-    """An engine's grammars: parsed once (`StructuredOutputsParams.parsed`), compiled in a background thread,
-    cached by spec. Two compile threads: one for small specs (SMALL_SPEC_CHARS), one for the rest, so that a
-    1 ms regex never waits behind a 5,000-string enum. Thread-safe: a server's handlers submit grammars too
-    and wait for the compile (`submit(..., waiting=True)`, then `leave`) before the request reaches the engine,
-    whose add_request then finds it compiled in the cache; a compile that every waiter left before it started
-    is cancelled."""
+    """An engine's grammars: bounded here (grammar_bounds.py), parsed and compiled in child processes
+    (grammar_workers.py) by two background threads, cached by spec. One thread for small specs
+    (SMALL_SPEC_CHARS), one for the rest, so that a 1 ms regex never waits behind a 5,000-string enum; each
+    thread owns one worker process, started at its first grammar (a plain request never starts one).
+    Thread-safe: a server's handlers submit grammars too and wait for the compile (`submit(..., waiting=True)`,
+    then `leave`) before the request reaches the engine, whose add_request then finds it compiled in the
+    cache; a compile that every waiter left before it started is cancelled. `max_bytes`, `max_depth`: the
+    bounds; `seconds`, `memory_bytes`: each worker's limits on one compile."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, eos_token_ids: set[int]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, eos_token_ids: set[int],
+                 max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH, seconds: float = COMPILE_SECONDS,
+                 memory_bytes: int = MEMORY_BYTES) -> None:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
+        self.max_bytes, self.max_depth, self.seconds, self.memory_bytes = max_bytes, max_depth, seconds, memory_bytes
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self.small_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-small")
-        self.compiler: Any = None  # xgrammar's, made by the first compile (reading the vocabulary takes ~0.5 s)
+        self.tokenizer_info: Any = None  # xgrammar's, made at the first compile (reading the vocabulary takes ~0.5 s)
+        self.workers: dict[str, GrammarWorker] = {}  # a compile thread's name -> its worker process
+        self.started: list[Future] = []  # `start_workers`
         self.cache: OrderedDict[str, Future] = OrderedDict()
         self.waiters: dict[str, int] = {}  # spec key -> requests waiting for its compile (`submit`'s waiting)
-        self.lock = threading.Lock()  # over cache, waiters and compiler: the engine thread and a server's submit
+        self.lock = threading.Lock()  # over cache, waiters, tokenizer_info and workers: engine and server threads
         self.cache_bytes = CACHE_BYTES
 
     def compile(self, spec: StructuredOutputsParams) -> RequestGrammar:
         """A grammar for one request (its own matcher), compiling in the background unless cached."""
         return RequestGrammar(self.submit(spec))
 
-    def submit(self, spec: StructuredOutputsParams, waiting: bool = False) -> Future:
-        """The compile of spec: cached, else started now (a failed one is tried again). The spec is parsed
-        here unless it was before; a spec xgrammar rejects is an InvalidRequest naming structured_outputs.
-        `waiting`: a request waits for it until it calls `leave`."""
-        if self.tokenizer is None:
-            raise InvalidRequest("structured_outputs", "structured_outputs needs the model's tokenizer")
-        grammar, key = spec.parsed, spec.key
+    def submit(self, spec: StructuredOutputsParams, waiting: bool = False, checked: bool = False) -> Future:
+        """The compile of spec: cached, else started now (a failed one is tried again). A spec past the bounds
+        is an InvalidRequest naming structured_outputs here (unless `checked` by `check` before); one the worker
+        refuses, the future's exception. `waiting`: a request waits for it until it calls `leave`."""
+        if not checked:
+            self.check(spec)
+        key = spec.key
         with self.lock:
             future = self.cache.get(key)
             if future is None or future.done() and failure(future) is not None:
-                pool = self.small_pool if len(key) <= SMALL_SPEC_CHARS else self.pool
-                self.cache[key] = pool.submit(self.compile_now, grammar)
+                self.cache[key] = self.lane(key).submit(self.compile_now, spec)
             self.cache.move_to_end(key)
             self.evict()  # sizes are known once compiled: each submit evicts for those done since the last
             if waiting:
                 self.waiters[key] = self.waiters.get(key, 0) + 1
             return self.cache[key]
+
+    def submit_parse(self, spec: StructuredOutputsParams) -> Future:
+        """Parse spec, `check`ed before, in a worker, without compiling or caching it (a tool's schema that no
+        grammar uses): the future's exception is the InvalidRequest of a spec xgrammar rejects."""
+        return self.lane(spec.key).submit(self.parse_now, spec)
+
+    def check(self, spec: StructuredOutputsParams) -> None:
+        """The spec within the bounds (grammar_bounds.py), else an InvalidRequest; its key then made (memoized)."""
+        if self.tokenizer is None:
+            raise InvalidRequest("structured_outputs", "structured_outputs needs the model's tokenizer")
+        check_bounds(spec.as_dict(), self.max_bytes, self.max_depth)
+        spec.key  # noqa: B018 (made here, where it costs no one a wait)
+
+    def lane(self, key: str) -> ThreadPoolExecutor:
+        return self.small_pool if len(key) <= SMALL_SPEC_CHARS else self.pool
 
     def leave(self, spec: StructuredOutputsParams) -> None:
         """A request that waited for spec's compile stopped waiting (compiled, past its time budget, or its
@@ -209,22 +233,42 @@ class GrammarCompiler:
             if future.done() and not failure(future):
                 num_bytes -= future.result().memory_size_bytes
 
-    def compile_now(self, grammar: Any) -> Any:
-        """In the pool's thread: the grammar's token masks over this vocabulary. A grammar that allows no
-        output at all (`root ::= root`: its language is empty) is an InvalidRequest, before any request runs."""
+    def worker(self) -> GrammarWorker:
+        """In a compile thread: its worker process (made at its first grammar; the process starts at its first job)."""
         import xgrammar as xgr
-        with self.lock:  # the first compile of either thread makes it
-            if self.compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.eos_token_ids)
-                # one core each (the engine has the rest); no cache of xgrammar's own, unbounded: this class caches
-                self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        compiled = self.compiler.compile_grammar(grammar)
-        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
-        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
-        if not bitmask.any():
-            raise InvalidRequest("structured_outputs", "structured_outputs allows no output: its language is empty")
-        return compiled
+        with self.lock:
+            if self.tokenizer_info is None:
+                self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                                         stop_token_ids=self.eos_token_ids)
+            name = threading.current_thread().name
+            if name not in self.workers:
+                self.workers[name] = GrammarWorker(self.tokenizer_info.serialize_json(), self.seconds,
+                                                   self.memory_bytes)
+            return self.workers[name]
+
+    def start_workers(self) -> list[Future]:
+        """Start each thread's worker process now (once), ahead of any compile: a server waits for these before a
+        request's compile time budget starts, so that no request's budget pays for a worker's start (seconds)."""
+        with self.lock:
+            if not self.started:
+                self.started = [pool.submit(lambda: self.worker().start()) for pool in (self.small_pool, self.pool)]
+            return self.started
+
+    def compile_now(self, spec: StructuredOutputsParams) -> Any:
+        """In a compile thread: spec parsed and compiled by its worker process, read back against the vocabulary."""
+        import xgrammar as xgr
+        grammar_json = self.worker().run(Job(spec))
+        return xgr.CompiledGrammar.deserialize_json(grammar_json, self.tokenizer_info)
+
+    def parse_now(self, spec: StructuredOutputsParams) -> None:
+        """In a compile thread: spec parsed by its worker process (an InvalidRequest if xgrammar rejects it)."""
+        self.worker().run(Job(spec, parse_only=True))
+
+    def close(self) -> None:
+        """Stop the worker processes (they also end when this process does)."""
+        with self.lock:
+            for worker in self.workers.values():
+                worker.stop()
 
 
 def failure(future: Future) -> BaseException | None:

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server over one LLMEngine (FastAPI + uvicorn, as vLLM's api_server).
 
-    nanoserve serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] [options]
+    nanoserve serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY ...] [options]
     python -m nanoserve.serve MODEL [options]                 (the same)
 
 Three kinds of thread take part in a request:
@@ -166,11 +166,11 @@ async def server_error(request: Request, error: Exception) -> Response:  # a bug
 
 
 class RequireAPIKey:
-    """ASGI middleware: every route but /health needs `Authorization: Bearer <key>` (the scheme in
-    any case; the key compared whole, in constant time), else 401."""
+    """ASGI middleware: every route but /health needs `Authorization: Bearer <key>`, one of the server's keys
+    (the scheme in any case; each key compared whole, in constant time), else 401."""
 
-    def __init__(self, app: Callable, api_key: str) -> None:
-        self.app, self.key = app, api_key.encode()
+    def __init__(self, app: Callable, api_keys: list[str]) -> None:
+        self.app, self.keys = app, [key.encode() for key in api_keys]
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["path"] != "/health" and not self.authorized(scope["headers"]):
@@ -181,7 +181,8 @@ class RequireAPIKey:
 
     def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
         scheme, _, key = dict(headers).get(b"authorization", b"").partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.key)
+        matches = [hmac.compare_digest(key.strip(), known) for known in self.keys]  # each compared: constant time
+        return scheme.lower() == b"bearer" and any(matches)
 
 
 @contextlib.asynccontextmanager
@@ -194,20 +195,23 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     serving.tokenizer_thread.shutdown()
 
 
-def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
+def build_app(engine: LLMEngine, served_model_name: str, api_key: str | list[str] | None = None,
               limits: Limits = Limits(), chat_template: str | None = None,
               tool_call_parser: str | None = None) -> FastAPI:
-    """The HTTP app; its AsyncLLM's engine thread starts and stops with it. `chat_template` replaces the
-    model's; `tool_call_parser` (tool_parsers.py) reads tool_choice "auto"'s calls (None: plain text)."""
+    """The HTTP app; its AsyncLLM's engine thread starts and stops with it. `api_key`: the key, or keys, a
+    request must bring (several: each is a client of its own, for fair turns and shares). `chat_template`
+    replaces the model's; `tool_call_parser` (tool_parsers.py) reads tool_choice "auto"'s calls (None: plain text)."""
+    api_keys = [api_key] if isinstance(api_key, str) else api_key or []
     app = FastAPI(title="nanoserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.serving = Serving(engine, served_model_name, limits, chat_template, tool_call_parser)
+    app.state.serving = Serving(engine, served_model_name, limits, chat_template, tool_call_parser,
+                                clients_by_api_key=len(api_keys) > 1)
     for path, endpoint, methods in ROUTES:
         app.add_api_route(path, endpoint, methods=methods)
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, server_error)
-    if api_key is not None:
-        app.add_middleware(RequireAPIKey, api_key=api_key)
+    if api_keys:
+        app.add_middleware(RequireAPIKey, api_keys=api_keys)
     return app
 
 
@@ -251,9 +255,13 @@ def set_nodelay(transport: asyncio.Transport) -> None:
 
 
 def uvicorn_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, header_timeout: float = HEADER_TIMEOUT,
-                   log_level: str = "warning") -> uvicorn.Server:
+                   log_level: str = "warning", forwarded_allow_ips: str | None = None) -> uvicorn.Server:
+    """`forwarded_allow_ips`: the proxies whose X-Forwarded-For names the client (uvicorn's option, "*": any);
+    None trusts none (uvicorn by default trusts 127.0.0.1, so any local client could name itself anyone)."""
     http = functools.partial(HTTPProtocol, header_timeout=header_timeout)
-    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, http=http, log_level=log_level))
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, http=http, log_level=log_level,
+                                         proxy_headers=forwarded_allow_ips is not None,
+                                         forwarded_allow_ips=forwarded_allow_ips))
 
 
 class ServerThread:
@@ -261,8 +269,8 @@ class ServerThread:
     It listens on a socket made by `bind`, as `main` does, so that tests serve as the command line does."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
-                 header_timeout: float = HEADER_TIMEOUT) -> None:
-        self.server = uvicorn_server(app, host, port, header_timeout)
+                 header_timeout: float = HEADER_TIMEOUT, forwarded_allow_ips: str | None = None) -> None:
+        self.server = uvicorn_server(app, host, port, header_timeout, forwarded_allow_ips=forwarded_allow_ips)
         self.sock = bind(host, port)
         self.thread = threading.Thread(target=self.server.run, kwargs=dict(sockets=[self.sock]), daemon=True)
 
@@ -301,15 +309,22 @@ def build_parser(prog: str) -> OneLineParser:
     parser.add_argument("model")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port_number, default=8000)
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="a key requests must bring (Authorization: Bearer KEY); give it more than once for "
+                             "several clients' keys: each key is then a client of its own for fair turns and shares")
+    parser.add_argument("--api-key-file", default=None,
+                        help="a file of keys, one per line, taken as --api-key each")
+    parser.add_argument("--forwarded-allow-ips", default=None,
+                        help="the proxies (comma-separated addresses, or *) whose X-Forwarded-For names the client; "
+                             "default: none, the client is the connection's peer")
     parser.add_argument("--served-model-name", default=None, help="default: the model path")
     parser.add_argument("--max-num-queued-requests", type=positive(int), default=None,
                         help="completions (prompts x n) in flight at once, counted from arrival until the engine "
                              "finishes them: tokenizing, waiting and running, not only queued; more get 429 "
                              "(default: 4 x --max-num-seqs)")
     parser.add_argument("--max-num-queued-requests-per-client", type=positive(int), default=None,
-                        help="of those, what one client (the body's user, else its API key, else its address) may "
-                             "hold; more get 429 (default: 7/8 of --max-num-queued-requests)")
+                        help="of those, what one client (its API key where the server takes several, else its "
+                             "address) may hold; more get 429 (default: 7/8 of --max-num-queued-requests)")
     parser.add_argument("--max-completions-per-request", type=positive(int),
                         default=Limits.max_completions_per_request,
                         help="completions (prompts x n) one request may ask for; more get 400")
@@ -357,6 +372,20 @@ def auto_tool_parser(args: argparse.Namespace) -> str | None:
     return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
+def read_api_keys(keys: list[str] | None, key_file: str | None) -> list[str]:
+    """--api-key (each time given) and the lines of --api-key-file (blank ones skipped)."""
+    keys = list(keys or [])
+    if key_file is not None:
+        try:
+            with open(key_file) as file:
+                keys += [line.strip() for line in file if line.strip()]
+        except OSError as error:
+            raise ValueError(f"--api-key-file: cannot read {key_file!r}: {error.strerror}") from None
+        if not keys:
+            raise ValueError(f"--api-key-file: {key_file!r} holds no key")
+    return keys
+
+
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound now: a port in use fails before the model loads."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -372,6 +401,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.serve")
     try:  # everything that can be checked before the model loads, so that a mistake costs no wait
         config = engine_config(args)
         chat_template, tool_call_parser = read_chat_template(args.chat_template), auto_tool_parser(args)
+        api_keys = read_api_keys(args.api_key, args.api_key_file)
         sock = bind(args.host, args.port)
         engine = LLMEngine(config)
     except (ValueError, OSError) as error:
@@ -382,8 +412,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.serve")
                     max_grammar_bytes=args.max_grammar_bytes, max_grammar_depth=args.max_grammar_depth,
                     max_grammar_compile_seconds=args.max_grammar_compile_seconds)
     name = args.served_model_name or args.model
-    app = build_app(engine, name, args.api_key, limits, chat_template, tool_call_parser)
-    server = uvicorn_server(app, args.host, args.port, args.header_timeout, log_level="info")
+    app = build_app(engine, name, api_keys, limits, chat_template, tool_call_parser)
+    server = uvicorn_server(app, args.host, args.port, args.header_timeout, log_level="info",
+                            forwarded_allow_ips=args.forwarded_allow_ips)
     host, port = sock.getsockname()[:2]  # uvicorn does not say where a socket it was given listens (--port 0)
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     # Everything loaded so far (torch, the model, the tokenizer: millions of objects) lives as long as the

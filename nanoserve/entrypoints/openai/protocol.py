@@ -376,6 +376,9 @@ def template_tool_call(call: MessageToolCall) -> dict:
         arguments = json.loads(call.function.arguments)
     except ValueError:
         arguments = call.function.arguments
+    except RecursionError:  # nested past Python's limit ("[" * 5000): was a 500
+        raise APIError(f"a tool call's arguments nest too deep for this server (call {shorten(repr(call.id))})",
+                       param="messages") from None
     function = {"name": call.function.name, "arguments": arguments}
     return {"id": call.id, "type": "function", "function": function}
 

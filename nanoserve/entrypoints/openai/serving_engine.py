@@ -26,7 +26,6 @@ from typing import TypeVar
 
 from nanoserve import LLMEngine, RequestDelta, RequestOutput, SamplingParams
 from nanoserve.entrypoints.async_llm import AsyncLLM
-from nanoserve.entrypoints.openai.grammar_bounds import check_bounds
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.protocol import APIError, Limits, SamplingBody, given, shorten
 from nanoserve.extensions.structured_outputs import StructuredOutputsParams
@@ -179,13 +178,15 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return {int(key): min(100.0, max(-100.0, value)) for key, value in bias.items()}
 
 
-def client_key(body: SamplingBody, headers: dict[str, str], peer: str | None) -> str:
-    """Who sent a request, for fair turns and per-client bounds: the body's `user` (OpenAI's end-user id), else
-    the API key (as a hash: it is never kept), else the peer's address."""
-    if body.user:
-        return "user:" + body.user
+def client_key(headers: dict[str, str], peer: str | None, by_api_key: bool) -> str:
+    """Who sent a request, for fair turns and per-client bounds: what the server knows of it, never what the
+    request says of itself. `by_api_key` (the server takes several API keys, one per client): the key it was
+    let in with (as a hash: it is never kept); else the peer's address, which behind a proxy the server trusts
+    (--forwarded-allow-ips) is the address the proxy forwards (uvicorn puts it in the request's client). The
+    body's `user`, and a Bearer value where no key is checked, are the client's to choose: a client sending a
+    new one with each request would make itself a new client each time, and take every turn."""
     scheme, _, key = headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and key.strip():
+    if by_api_key and scheme.lower() == "bearer" and key.strip():
         return "key:" + hashlib.sha256(key.strip().encode()).hexdigest()[:16]
     return f"peer:{peer}"
 
@@ -198,7 +199,7 @@ def grammar_field(body: SamplingBody) -> str:
 def structured_outputs(body: SamplingBody, limits: Limits) -> StructuredOutputsParams | None:
     """vLLM's structured_outputs extra, or OpenAI's response_format (json_object or json_schema), or None; both
     is a 400 (one kind of structured output per request, as vLLM). A spec past the limits is a 400 before
-    anything parses it (check_bounds)."""
+    anything parses it (`Serving.compile_grammar`, in the tokenizer thread)."""
     response_format = body.response_format
     if response_format is not None and response_format.type == "text":
         response_format = None
@@ -214,7 +215,6 @@ def structured_outputs(body: SamplingBody, limits: Limits) -> StructuredOutputsP
         raise APIError("response_format of type json_schema needs json_schema.schema", param="response_format")
     else:
         spec = dict(json=response_format.json_schema.schema_)
-    check_bounds(spec, limits.max_grammar_bytes, limits.max_grammar_depth)
     return StructuredOutputsParams(**spec)
 
 
@@ -223,13 +223,15 @@ class Serving:
     Handlers never call the engine; they use its tokenizer (from the tokenizer thread) and constants."""
 
     def __init__(self, engine: LLMEngine, model_name: str, limits: Limits, chat_template: str | None = None,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, clients_by_api_key: bool = False) -> None:
         self.model_name, self.limits = model_name, limits
+        self.clients_by_api_key = clients_by_api_key  # several API keys: a client is its key (`client_key`)
         self.chat_template = chat_template        # --chat-template: the model's own if None
         self.tool_call_parser = tool_call_parser  # tool_choice "auto" parses with it (None: plain text)
         self.model_path, self.max_model_len = engine.config.model, engine.max_model_len
         self.tokenizer = engine.tokenizer
         self.grammars = engine.grammars  # thread-safe: handlers compile a request's grammar before submitting it
+        self.grammars.max_bytes, self.grammars.max_depth = limits.max_grammar_bytes, limits.max_grammar_depth
         self.metrics = Metrics(model_name, num_usable_blocks=engine.model_runner.num_blocks - 1)  # block 0: unused
         self.async_llm = AsyncLLM(engine, self.metrics)
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer")
@@ -347,18 +349,24 @@ class Serving:
         if self.tokenizer is None or not (self.chat_template or self.tokenizer.chat_template):
             raise APIError(f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
 
-    async def compile_grammar(self, spec: StructuredOutputsParams, field: str) -> None:
-        """Parse spec in the tokenizer thread and wait for its compile (the engine's GrammarCompiler, whose
-        cache add_request then hits), at most max_grammar_compile_seconds. A spec xgrammar rejects, one that
-        fails to compile (`a{2147483648}` parses, lazily) or allows no output (`root ::= root`), or one past
-        the time budget, is a 400 naming `field`, for this request alone, before it reaches the engine."""
+    async def compile_grammar(self, spec: StructuredOutputsParams, field: str, parse_only: bool = False) -> None:
+        """Check spec's bounds in the tokenizer thread and wait for its compile (the engine's GrammarCompiler, in a
+        worker process, whose cache add_request then hits), at most max_grammar_compile_seconds once the workers
+        have started. A spec past the bounds, one xgrammar rejects, one that crashes the worker, fails to compile
+        (`a{2147483648}` parses, lazily) or allows no output (`root ::= root`), or one past the time budget, is a
+        400 naming `field`, for this request alone, before it reaches the engine. `parse_only`: a spec that no
+        grammar uses (a tool's schema), parsed and not compiled."""
         seconds = self.limits.max_grammar_compile_seconds
+        started = self.grammars.start_workers()  # ahead of the compile, in each compile thread
         try:
-            await self.in_tokenizer_thread(lambda: self.grammars.submit(spec))  # parses it there
+            await self.in_tokenizer_thread(lambda: self.grammars.check(spec))
         except InvalidRequest as error:
             raise APIError(f"{field}: {error}", param=field) from None
-        future = self.grammars.submit(spec, waiting=True)  # parsed: at once, with no await before `leave`
+        # checked: at once, with no await before `leave`
+        future = self.grammars.submit_parse(spec) if parse_only else self.grammars.submit(spec, True, checked=True)
         try:
+            # a worker's start (seconds, once) is not the grammar's fault: not counted against its budget
+            await asyncio.shield(asyncio.gather(*map(asyncio.wrap_future, started), return_exceptions=True))
             # shielded: a request that gives up leaves the compile to the others waiting for it (`leave`)
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), seconds)
         except InvalidRequest as error:
@@ -370,7 +378,8 @@ class Serving:
             raise APIError(f"{field}: the grammar cannot be compiled: {shorten(str(error), 300)}",
                            param=field) from None
         finally:
-            self.grammars.leave(spec)
+            if not parse_only:
+                self.grammars.leave(spec)
 
     def fit_to_context(self, params: SamplingParams, max_tokens: int | None, num_prompt_tokens: int,
                        field: str) -> SamplingParams:

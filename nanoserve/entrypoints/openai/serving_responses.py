@@ -20,6 +20,7 @@ the whole conversation each time (`input` plus the last response's `output` item
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -50,7 +51,24 @@ async def create_response(request: Request) -> Response:
     arrival_time = time.perf_counter()
     serving: Serving = request.app.state.serving
     body = parse(ResponsesBody, await read_json(request, serving.limits.max_body_bytes, serving.max_body_values))
-    return await serve_chat(serving, request, chat_body(body), arrival_time, partial(answer, body=body))
+    try:
+        return await serve_chat(serving, request, chat_body(body), arrival_time, partial(answer, body=body))
+    except APIError as error:
+        raise responses_error(error) from None
+
+
+# The chat fields a Responses body gives under other names: an error names the field the client sent.
+RESPONSES_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
+
+
+def responses_error(error: APIError) -> APIError:
+    """A chat request's error as a Responses client reads it: its param and the field names in its message are
+    the Responses body's (`input`, not `messages`; `max_output_tokens`, not `max_tokens`)."""
+    message = error.message
+    for chat_name, name in RESPONSES_FIELDS.items():
+        message = re.sub(rf"\b{chat_name}\b", name, message)
+    return APIError(message, param=RESPONSES_FIELDS.get(error.param, error.param), status=error.status,
+                    code=error.code)
 
 
 # --- The request, as a chat body -------------------------------------------------------------------
@@ -270,7 +288,8 @@ async def response_events(generation: Generation, api: ChatAPI, head: dict, body
             for delta in chunk["delta"].get("tool_calls", []):
                 for event in events.add_call(delta):
                     yield event
-    except APIError as error:
+    except APIError as chat_error:
+        error = responses_error(chat_error)
         yield events.event("error", code=error.code, message=error.message, param=error.param)
         return
     for event in events.finish():

@@ -19,18 +19,16 @@ import json
 import re
 
 from nanoserve.entrypoints.openai.chat_api import ChatAPI
-from nanoserve.entrypoints.openai.grammar_bounds import check_bounds
 from nanoserve.entrypoints.openai.protocol import (
     APIError,
     ChatBody,
     FunctionDefinition,
-    Limits,
     NamedToolChoice,
     StructuredOutputsBody,
     Tool,
     shorten,
 )
-from nanoserve.entrypoints.openai.serving_engine import Shown
+from nanoserve.entrypoints.openai.serving_engine import Serving, Shown
 from nanoserve.entrypoints.openai.tool_parsers import (
     Parser,
     ToolCall,
@@ -41,8 +39,7 @@ from nanoserve.entrypoints.openai.tool_parsers import (
     parse_llama3_json,
     parse_required,
 )
-from nanoserve.extensions.structured_outputs import StructuredOutputsParams, parse_grammar
-from nanoserve.sampler import InvalidRequest
+from nanoserve.extensions.structured_outputs import StructuredOutputsParams
 
 MAX_TOOLS = 128                                # tools in one request: OpenAI's limit
 MAX_TOOLS_BYTES = 2**18                        # their JSON together; more: 400
@@ -60,7 +57,7 @@ def is_forced(body: ChatBody) -> bool:
 
 def check_tools(body: ChatBody) -> None:
     """On the event loop: tools and tool_choice as OpenAI takes them and within this server's bounds; a 400
-    names the field. (Each schema is checked by xgrammar in the tokenizer thread: `check_tool_schemas`.)"""
+    names the field. (Each schema is checked by xgrammar in a worker process: `check_tool_schemas`.)"""
     tools = body.tools or []
     if len(tools) > MAX_TOOLS:
         raise APIError(f"tools has {len(tools)} entries; this server takes at most {MAX_TOOLS}", param="tools")
@@ -88,17 +85,16 @@ def check_tools(body: ChatBody) -> None:
                        param="tool_choice")
 
 
-def check_tool_schemas(tools: list[Tool] | None, limits: Limits) -> None:
-    """In the tokenizer thread: each function's parameters a JSON schema xgrammar accepts, within the
-    server's grammar bounds (checked first: xgrammar's converters recurse without bound), else a 400."""
+async def check_tool_schemas(serving: Serving, tools: list[Tool] | None) -> None:
+    """Each function's parameters within the server's grammar bounds and a JSON schema xgrammar accepts, parsed
+    in a grammar worker's process (never this one: xgrammar's converters recurse without bound), else a 400."""
     for i, tool in enumerate(tools or []):
         try:
-            spec = dict(json=parameters_schema(tool.function))
-            check_bounds(spec, limits.max_grammar_bytes, limits.max_grammar_depth)
-            parse_grammar(StructuredOutputsParams(**spec))
-        except InvalidRequest as error:
-            raise APIError(f"tools.{i}.function.parameters is not a JSON schema this server can follow: {error}",
-                           param="tools") from None
+            spec = StructuredOutputsParams(json=parameters_schema(tool.function))
+            await serving.compile_grammar(spec, "tools", parse_only=True)
+        except APIError as error:
+            raise APIError(f"tools.{i}.function.parameters is not a JSON schema this server can follow: "
+                           f"{error.message}", param="tools") from None
 
 
 def forced_schema(body: ChatBody) -> dict | None:
@@ -152,6 +148,9 @@ class ToolChatAPI(ChatAPI):
         super().__init__(body, *args)
         self.parse = self.choose_parser(body)
         self.max_calls = 1 if body.parallel_tool_calls is False else None
+        # "auto": the model wrote the calls freely; one that is no call of a declared tool is text
+        self.checks_calls = given_choice(body) == "auto"
+        self.declared = {tool.function.name for tool in body.tools or []}
         self.streams: dict[int, ToolCallStream] = {}  # a stream's choices: each its own
 
     def choose_parser(self, body: ChatBody) -> Parser | None:
@@ -169,6 +168,8 @@ class ToolChatAPI(ChatAPI):
             return super().choice(index, shown)
         parsed = self.parse(shown.text, True)
         calls = parsed.calls[:self.max_calls]
+        if not self.are_calls(calls):  # the whole text as content, finish_reason the engine's
+            return super().choice(index, shown)
         message = dict(role="assistant", content=parsed.content if parsed.content or not calls else None)
         if calls:
             message["tool_calls"] = [dict(id=new_call_id(), type="function",
@@ -189,8 +190,23 @@ class ToolChatAPI(ChatAPI):
         logprobs = self.logprobs_object(shown)
         if not delta and shown.finish_reason is None and logprobs is None:
             return None  # all of it held back
-        return dict(index=index, delta=delta, logprobs=logprobs,
-                    finish_reason=tool_finish_reason(shown.finish_reason, stream.calls))
+        finish_reason = tool_finish_reason(shown.finish_reason, stream.calls) if self.are_calls(stream.calls) \
+            else shown.finish_reason  # (calls already streamed cannot be taken back; the reason at least is true)
+        return dict(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+
+    def are_calls(self, calls: list[ToolCall]) -> bool:
+        """Under "auto", each whole call names a declared tool and its arguments are a JSON object: else the
+        output is no call (`{"city": Bath}`, `{"city": "Bath",}`, an undeclared function came back as calls with
+        finish_reason "tool_calls"). A call cut short (max_tokens) stays a call, as OpenAI answers."""
+        return not self.checks_calls or all(not call.complete or call.name in self.declared
+                                            and is_json_object(call.arguments) for call in calls)
+
+
+def is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def given_choice(body: ChatBody) -> str | NamedToolChoice:

@@ -112,7 +112,7 @@ async def generate_response(serving: Serving, request: Request, api: API, body: 
     params = sampling_params(body, api, max_tokens, serving.limits)
     if body.stream_options is not None and not body.stream:
         raise APIError("stream_options is only for stream=true", param="stream_options")
-    client = client_key(body, request.headers, request.client.host if request.client else None)
+    client = client_key(request.headers, request.client.host if request.client else None, serving.clients_by_api_key)
     generation = Generation(serving, num_prompts * params.n, grammar_field(body), client)  # takes its slots, or 429
 
     async def start() -> Response:

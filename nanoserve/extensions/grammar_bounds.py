@@ -1,0 +1,171 @@
+"""The cheap bounds on a grammar spec, checked before xgrammar sees it (docs/serving.md, "Limits"), wherever a
+spec enters: `GrammarCompiler.submit` (so LLM, AsyncLLM and the server all have them) and, with the server's
+own limits, its handlers. xgrammar's converters recurse without bound: 30,000 nested parentheses in a schema's
+pattern, or 13,000 quantifiers stacked on one character (`a{1}{1}{1}...`, depth 1 to a bracket count), crashed
+the process; and a deep schema parses in time cubic in its depth. The bounds make the common hostile shapes a
+quick refusal; the child process that parses and compiles (grammar_workers.py) is what keeps the shapes they
+miss from taking anything down. Past a bound, an InvalidRequest naming structured_outputs.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Callable
+
+from nanoserve.sampling_params import InvalidRequest
+
+MAX_BYTES = 64 * 1024  # of one spec's text: its schema as JSON, regex, grammar or choices together
+MAX_DEPTH = 64         # levels of nesting: of a schema, of brackets, of quantifiers stacked on one another
+MAX_QUANTIFIERS = 1024  # quantifiers in one spec's regex, grammar and patterns together (each a repetition to build)
+QUANTIFIER = re.compile(r"[*+?]|\{\d*,?\d*\}")  # *, +, ?, {n}, {n,}, {,m}, {n,m}
+
+
+def check_bounds(spec: dict[str, Any], max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH,
+                 max_quantifiers: int = MAX_QUANTIFIERS) -> None:
+    """Before xgrammar sees a spec (StructuredOutputsParams' fields as given): at most `max_bytes` of text
+    (the schema as JSON, the regex, the grammar, the choices together), `max_depth` levels of nesting (of
+    the schema's objects and arrays, and of brackets in the regex, the grammar and every string of the schema),
+    at most `max_depth` quantifiers stacked on one atom and `max_quantifiers` in all (in the regex, the grammar
+    and the schema's patterns). Past any, an InvalidRequest."""
+    def refuse(what: str) -> None:
+        raise InvalidRequest("structured_outputs", f"structured_outputs {what}, more than this server takes")
+    texts = [spec[name] for name in ("regex", "grammar", "json") if isinstance(spec.get(name), str)]
+    texts += [choice for choice in spec.get("choice") or () if isinstance(choice, str)]
+    if sum(len(text.encode("utf-8", "surrogatepass")) for text in texts) > max_bytes:
+        refuse(f"has over {max_bytes} bytes")
+    patterns = [spec[name] for name in ("regex", "grammar") if isinstance(spec.get(name), str)]
+    schema = spec.get("json")
+    if isinstance(schema, str):
+        schema = read_json(schema)
+    if isinstance(schema, (dict, list)):
+        strings, schema_patterns = check_json_depth(schema, max_depth, refuse)
+        if sum(len(text.encode("utf-8", "surrogatepass")) for text in strings) > max_bytes:
+            refuse(f"has over {max_bytes} bytes")
+        if any(bracket_depth(text) > max_depth for text in strings):
+            refuse(f"nests brackets in a schema's string (a pattern) over {max_depth} deep")
+        patterns += schema_patterns
+    for name in ("regex", "grammar"):
+        if isinstance(spec.get(name), str) and bracket_depth(spec[name]) > max_depth:
+            refuse(f"nests {name} brackets over {max_depth} deep")
+    counts = [count_quantifiers(text) for text in patterns]
+    if any(stacked > max_depth for _, stacked in counts):
+        refuse(f"stacks over {max_depth} quantifiers on one atom (as a{{1}}{{1}}...)")
+    if sum(total for total, _ in counts) > max_quantifiers:
+        refuse(f"has over {max_quantifiers} quantifiers in its regex, grammar or patterns")
+
+
+def read_json(text: str) -> Any:
+    """A schema given as text, or None where it is no JSON (nested past Python's recursion limit included)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+# Where a schema's members are not schemas: data (enum values, a const...) and maps of names to schemas.
+DATA_KEYWORDS = {"enum", "const", "default", "examples"}
+SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+
+
+def check_json_depth(value: dict | list, max_depth: int, refuse: Callable[[str], None]) -> tuple[list[str], list[str]]:
+    """Walk a JSON schema without recursion (it may be nested a thousand deep); refuse past max_depth levels, and
+    each schema in it that no output can satisfy (`check_keywords`). Returns its strings, keys included, and of
+    those its patterns (a `pattern`'s value, `patternProperties`' keys)."""
+    strings: list[str] = []
+    patterns: list[str] = []
+    stack = [(value, 1, "schema")]  # (value, depth, what it is: a schema, a map of schemas, a list of them, data)
+    while stack:
+        value, depth, role = stack.pop()
+        if depth > max_depth:
+            refuse(f"nests its schema over {max_depth} deep")
+        if role == "schema" and isinstance(value, dict):
+            check_keywords(value)
+        items = list(value.items()) if isinstance(value, dict) else [(None, item) for item in value]
+        for key, item in items:
+            strings += [key] if isinstance(key, str) else []
+            if isinstance(item, (dict, list)):
+                stack.append((item, depth + 1, child_role(role, key, item)))
+            elif isinstance(item, str):
+                strings.append(item)
+                patterns += [item] if key == "pattern" and role == "schema" else []
+        if isinstance(value, dict) and role == "schema" and isinstance(value.get("patternProperties"), dict):
+            patterns += [key for key in value["patternProperties"] if isinstance(key, str)]
+    return strings, patterns
+
+
+def child_role(role: str, key: str | None, item: dict | list) -> str:
+    """What a member of a schema, a map or a list is: a schema, a map of schemas, a list of schemas, or data."""
+    if role == "data" or role == "schema" and key in DATA_KEYWORDS:
+        return "data"
+    if role == "schema" and key in SCHEMA_MAPS:
+        return "map"
+    if role == "schema" and isinstance(item, list):
+        return "list" if key in ("allOf", "anyOf", "oneOf", "prefixItems", "items") else "data"
+    return "schema"
+
+
+def check_keywords(schema: dict) -> None:
+    """Refuse the keywords xgrammar ignores where ignoring them lets an output break the schema: `not`, an
+    `allOf` of types that exclude one another, an empty `type`, a `$ref` outside the schema (InvalidRequest)."""
+    def refuse(what: str) -> None:
+        raise InvalidRequest("structured_outputs", f"structured_outputs {what}")
+    if "not" in schema:
+        refuse("uses the keyword not, which this server cannot enforce")
+    if schema.get("type") == []:
+        refuse("gives an empty type: no value fits it")
+    if isinstance(schema.get("$ref"), str) and not schema["$ref"].startswith("#"):
+        refuse("has a $ref outside the schema (a remote one), which this server does not fetch")
+    members = schema.get("allOf") if isinstance(schema.get("allOf"), list) else []
+    types = [type_set(m["type"]) for m in members if isinstance(m, dict) and isinstance(m.get("type"), (str, list))]
+    if types and not set.intersection(*types):
+        refuse("has an allOf whose types exclude one another: no value fits it")
+
+
+def type_set(types: str | list) -> set[str]:
+    """A schema's `type` as a set; a number may be an integer."""
+    names = {types} if isinstance(types, str) else {name for name in types if isinstance(name, str)}
+    return names | {"integer"} if "number" in names else names
+
+
+def bracket_depth(text: str) -> int:
+    """The deepest nesting of (, [ and { in text, an escaped one (after a backslash) not counted. An unmatched
+    closing bracket never lowers it below 0: `)))(((` is 3 deep."""
+    depth = deepest = 0
+    escaped = False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in ")]}":
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def count_quantifiers(text: str) -> tuple[int, int]:
+    """(the quantifiers in a regex, the longest run of them stacked on one atom). `a{1}{1}` stacks two: each
+    nests the one before, as a bracket would. Escaped characters and character classes (`[*+?]`) are atoms."""
+    total = stacked = longest = 0
+    position, escaped, in_class = 0, False, False
+    while position < len(text):
+        char, match = text[position], None
+        if escaped:  # an escaped character is an atom
+            escaped, stacked = False, 0
+        elif char == "\\":
+            escaped = True
+        elif in_class:  # up to its "]", a character class is one atom
+            in_class = char != "]"
+        elif char == "[":
+            in_class, stacked = True, 0
+        elif match := QUANTIFIER.match(text, position):
+            total, stacked = total + 1, stacked + 1
+            longest = max(longest, stacked)
+            position = match.end()
+            continue
+        else:
+            stacked = 0
+        position += 1
+    return total, longest

@@ -1,0 +1,182 @@
+"""Grammars parsed and compiled in child processes: a spec that crashes xgrammar (its converters recurse without
+bound: SIGSEGV), runs past its time limit or its memory limit fails its own request, never the process that
+serves everyone (structured_outputs.py's GrammarCompiler sends every parse and compile here).
+
+One `GrammarWorker` is one child process, a new Python interpreter (never a fork of a process that holds torch's
+threads; and unlike multiprocessing's spawn, it never re-runs the caller's script, which a script without
+`if __name__ == "__main__"` would not survive), started at its owner's first grammar, so a process that serves
+no grammar never starts one. Parent and child talk over a socket pair, one message at a time, each a class:
+    parent: Start(tokenizer_info_json, memory_bytes)  ->  child: Ready
+    parent: Job(spec, parse_only)  ->  child: Compiled(grammar_json) | Refused(message)
+the compiled grammar as xgrammar's own JSON (`CompiledGrammar.serialize_json`), read back against the parent's
+TokenizerInfo. A child that dies (its pipe ends) or answers past `seconds` is killed and replaced at the next job;
+the job's request gets an InvalidRequest naming structured_outputs.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from nanoserve.sampling_params import InvalidRequest
+
+COMPILE_SECONDS = 30.0     # one parse and compile in a child; past it, the child is killed
+START_SECONDS = 120.0      # a new child's start (it imports xgrammar, and with it torch): not counted above
+MEMORY_BYTES = 4 * 2**30   # what a child may allocate past its start (address space, where the OS bounds it)
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # where the child imports nanoserve from
+
+
+@dataclass(frozen=True)
+class Start:
+    """The child's setup: the vocabulary (xgrammar's TokenizerInfo as JSON) and its memory limit."""
+    tokenizer_info_json: str
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class Job:
+    """Parse spec (a StructuredOutputsParams) and, unless parse_only, compile it."""
+    spec: Any
+    parse_only: bool = False
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The child has started and reads jobs."""
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """The compiled grammar as xgrammar's JSON; None for a parse_only job."""
+    grammar_json: str | None
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The spec is not a grammar this server can follow: the message names why."""
+    message: str
+
+
+def serve(fd: int) -> None:
+    """The child's loop (`python -c`, the socket's fd given): a Start, then one Job in, one Compiled or Refused out,
+    until the parent closes the socket."""
+    import xgrammar as xgr
+
+    from nanoserve.extensions.structured_outputs import parse_grammar
+    conn = Connection(fd)
+    start = conn.recv()
+    info = xgr.TokenizerInfo.deserialize_json(start.tokenizer_info_json)
+    # one core (the engine has the rest); no cache of xgrammar's own: the parent's GrammarCompiler caches
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    limit_memory(start.memory_bytes)
+    conn.send(Ready())
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:  # the parent closed the pipe, or died
+            return
+        try:
+            grammar = parse_grammar(job.spec)
+            conn.send(Compiled(None) if job.parse_only else Compiled(compile_checked(compiler, grammar, info)))
+        except InvalidRequest as error:
+            conn.send(Refused(str(error)))
+        except (RuntimeError, ValueError, TypeError, MemoryError) as error:  # xgrammar's, or out of memory
+            conn.send(Refused(f"structured_outputs cannot be compiled: {str(error)[:300]}"))
+
+
+def compile_checked(compiler: Any, grammar: Any, info: Any) -> str:
+    """The grammar's token masks over the vocabulary, as JSON. A grammar that allows no output at all
+    (`root ::= root`: its language is empty) is an InvalidRequest, before any request runs."""
+    import xgrammar as xgr
+    compiled = compiler.compile_grammar(grammar)
+    bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    if not bitmask.any():
+        raise InvalidRequest("structured_outputs", "structured_outputs allows no output: its language is empty")
+    return compiled.serialize_json()
+
+
+def limit_memory(num_bytes: int) -> None:
+    """Bound the child's address space to what it has now plus num_bytes, where the OS can (Linux; macOS
+    ignores RLIMIT_AS): past it, xgrammar's allocation fails (MemoryError) or the child dies, alone."""
+    try:
+        with open("/proc/self/statm") as statm:
+            in_use = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (in_use + num_bytes, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    except (OSError, ValueError):
+        pass
+
+
+class GrammarWorker:
+    """One child process that parses and compiles grammars, one at a time (its owner is one thread)."""
+
+    def __init__(self, tokenizer_info_json: str, seconds: float = COMPILE_SECONDS,
+                 memory_bytes: int = MEMORY_BYTES) -> None:
+        self.tokenizer_info_json, self.seconds, self.memory_bytes = tokenizer_info_json, seconds, memory_bytes
+        self.process: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.job: Job | None = None  # the job the child works on now
+
+    def start(self) -> None:
+        """Start the child, unless it runs, and wait until it reads jobs."""
+        if self.process is not None and self.process.poll() is None:
+            return
+        self.stop()
+        ours, child_end = socket.socketpair()
+        path = os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
+        code = f"from nanoserve.extensions.grammar_workers import serve; serve({child_end.fileno()})"
+        self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[child_end.fileno()],
+                                        stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": path})
+        child_end.close()  # the parent's copy: the child's death then ends the socket (EOFError)
+        self.conn = Connection(ours.detach())
+        self.conn.send(Start(self.tokenizer_info_json, self.memory_bytes))
+        if not self.conn.poll(START_SECONDS) or not isinstance(self.receive(), Ready):
+            self.stop()
+            raise RuntimeError("the grammar worker process did not start")
+
+    def run(self, job: Job) -> str | None:
+        """The job's compiled grammar JSON (None if parse_only); an InvalidRequest if the child refused the spec,
+        died on it (then it is replaced at the next job) or ran past `seconds` (then it is killed)."""
+        self.start()
+        self.conn.send(job)
+        self.job = job
+        try:
+            return self.wait_for(job)
+        finally:
+            self.job = None
+
+    def wait_for(self, job: Job) -> str | None:
+        if not self.conn.poll(self.seconds):
+            self.stop()
+            raise InvalidRequest("structured_outputs", f"structured_outputs took over {self.seconds} s to compile, "
+                                                       "this server's limit")
+        reply = self.receive()
+        if reply is None:
+            exit_code = self.process.wait()
+            self.stop()
+            raise InvalidRequest("structured_outputs", f"structured_outputs crashed the grammar compiler (its "
+                                                       f"process ended with exit code {exit_code})")
+        if isinstance(reply, Refused):
+            raise InvalidRequest("structured_outputs", reply.message)
+        return reply.grammar_json
+
+    def receive(self) -> Ready | Compiled | Refused | None:
+        """The child's next message; None if it died."""
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            return None
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        if self.conn is not None:
+            self.conn.close()
+        self.process, self.conn = None, None
