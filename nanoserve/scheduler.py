@@ -172,9 +172,14 @@ class Scheduler:
         return scheduled
 
     def next_ready(self) -> Sequence | None:
-        """The first waiting request that can run: one whose grammar is still compiling (structured_outputs.py)
-        waits, without holding up those behind it."""
-        return next((seq for seq in self.waiting if seq.grammar is None or seq.grammar.ready), None)
+        """The first waiting request that can run. One whose grammar is compiling (WAITING_FOR_GRAMMAR) is passed
+        over, without holding up those behind it, until its grammar is ready: then it waits like any other."""
+        for seq in self.waiting:
+            if seq.status is SequenceStatus.WAITING_FOR_GRAMMAR and seq.grammar.ready:
+                seq.status = SequenceStatus.WAITING
+            if seq.status is SequenceStatus.WAITING:
+                return seq
+        return None
 
     def max_cache_hit(self, seq: Sequence, planned: Iterable[ScheduledSeq]) -> int | None:
         """How many of seq's tokens a prefix-cache hit may cover (None: any). With prompt logprobs, only
@@ -268,7 +273,8 @@ class Scheduler:
         `update`), also check that it fits the limits and that no block is written by two requests."""
         live = [*self.waiting, *self.running]
         assert len({id(seq) for seq in live}) == len(live), f"a request is queued twice: {live}"
-        assert all(s.status is SequenceStatus.WAITING and not s.block_table and s.num_computed_tokens == 0
+        waiting_states = (SequenceStatus.WAITING, SequenceStatus.WAITING_FOR_GRAMMAR)
+        assert all(s.status in waiting_states and not s.block_table and s.num_computed_tokens == 0
                    for s in self.waiting), f"a waiting request is not WAITING or holds KV: {list(self.waiting)}"
         assert all(s.status is SequenceStatus.RUNNING for s in self.running), f"bad running: {list(self.running)}"
         assert len(self.running) <= self.config.max_num_seqs, f"{len(self.running)} running > max_num_seqs"

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from nanoserve.config import SpeculativeConfig
-from nanoserve.extensions.logits_processors import uses_processors
 from nanoserve.sampler import Logprob
+from nanoserve.sampling_params import uses_processors
 from nanoserve.sequence import Sequence
 
 if TYPE_CHECKING:

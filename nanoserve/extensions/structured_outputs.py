@@ -21,11 +21,10 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
-from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -120,8 +119,9 @@ class RequestGrammar:
 
     @property
     def ready(self) -> bool:
-        """Compiled: the request may run. A failed compile is never ready (`fail_grammars` ends its request)."""
-        return self.compiled.done() and failure(self.compiled) is None
+        """The compile ended: the request may run (the scheduler checks). A failed compile fails its request
+        alone at its first token (`apply_grammar_masks`), logged."""
+        return self.compiled.done()
 
     @property
     def compiling(self) -> bool:
@@ -232,30 +232,6 @@ def failure(future: Future) -> BaseException | None:
     return CancelledError() if future.cancelled() else future.exception()
 
 
-def fail_grammars(waiting: Iterable[Sequence], fail: Callable[[Sequence, Exception], object]) -> None:
-    """Fail, each alone and logged, the waiting requests whose grammar failed to compile (the scheduler never
-    admits them: `RequestGrammar.ready`)."""
-    for seq in [seq for seq in waiting if seq.grammar is not None and seq.grammar.compiled.done()]:
-        if error := failure(seq.grammar.compiled):
-            logging.getLogger(__name__).error(f"grammar of request {seq.request_id!r} failed: {error!r}")
-            fail(seq, error)
-
-
-def wait_for_grammars(waiting: list[Sequence]) -> None:
-    """When every waiting request's grammar is compiling, the step has nothing else to do: wait until the
-    first compile ends, but at most 0.1 s, so that a long one never keeps the engine's loop from new requests
-    and aborts."""
-    compiling = [seq.grammar.compiled for seq in waiting if seq.grammar is not None and seq.grammar.compiling]
-    if waiting and len(compiling) == len(waiting):
-        wait(compiling, 0.1, FIRST_COMPLETED)
-
-
-def grammars_pending(waiting: Iterable[Sequence]) -> bool:
-    """Does a waiting request wait for its grammar (compiling, or failed and failed at the next step)? Then a
-    step that schedules nothing made no progress for that reason alone."""
-    return any(seq.grammar is not None and not seq.grammar.ready for seq in waiting)
-
-
 def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """logits [S, vocab], in place: -inf on each constrained row's tokens that its grammar forbids now.
     One bitmask for the whole step, [S, ceil(vocab / 32)] int32 (bit t of a row: token t allowed; all set
@@ -268,7 +244,8 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     for row in rows:
         try:
             seqs[row].grammar.start().fill_next_token_bitmask(bitmask, row)
-        except Exception as error:  # this request's grammar: its failure, not the step's
+        except Exception as error:  # this request's grammar (a failed compile, too): its failure, not the step's
+            logging.getLogger(__name__).error(f"grammar of request {seqs[row].request_id!r} failed: {error!r}")
             seqs[row].error = error
     rows = [row for row in rows if seqs[row].error is None]
     if rows:
