@@ -38,10 +38,10 @@ try:
 except ImportError:
     quantize_linears = None
 try:
-    from nanoserve.extensions.spec_decode import NgramSpeculator
+    from nanoserve.extensions.spec_decode import Speculator
 except ImportError:
-    NgramSpeculator = None
-from nanoserve.seams import DecodeRunner, Runner, Seams
+    Speculator = None
+from nanoserve.seams import DecodeRunner, EagerSteps, Runner, Seams, no_logits_processing
 
 
 @dataclass(frozen=True)
@@ -61,15 +61,15 @@ def build_seams(config: Config) -> Seams:
     """The seams filled with the extensions `config` asks for; the logits processors and grammars always, as any
     request may ask for them. One asked for but not importable is a ValueError naming it."""
     spec, quantization = config.speculative_config, config.quantization
-    for asked, loaded, name in ((not config.enforce_eager, compile_model, "compilation (enforce_eager=False)"),
-                                (spec is not None, NgramSpeculator, "spec_decode (speculative_config)"),
-                                (quantization is not None, quantize_linears, "quantization")):
-        if asked and loaded is None:
-            raise ValueError(f"{name} was asked for, but nanoserve.extensions.{name.split()[0]} cannot be imported")
-    return Seams(executor=None if config.enforce_eager else CompiledSteps(config),
-                 logits_processor=process_logits,
+    asked = {"compilation": not config.enforce_eager and compile_model, "spec_decode": spec is not None and Speculator,
+             "quantization": quantization is not None and quantize_linears,
+             "parallel": config.tensor_parallel_size > 1 and TensorParallelRunner}
+    if missing := [name for name, loaded in asked.items() if loaded is None]:  # asked for, not importable
+        raise ValueError(f"the config asks for nanoserve.extensions.{missing[0]}, which cannot be imported")
+    return Seams(executor=EagerSteps() if config.enforce_eager else CompiledSteps(config),
+                 logits_processor=process_logits or no_logits_processing,
                  weight_transform=partial(quantize_linears, quantization=quantization) if quantization else None,
-                 drafter=NgramSpeculator(SpeculativeConfig.from_dict(spec)) if spec is not None else None,
+                 drafter=Speculator(SpeculativeConfig.from_dict(spec)) if spec is not None else None,
                  grammars=GrammarCompiler,
                  tensor_parallel=TensorParallelRunner)
 

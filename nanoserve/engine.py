@@ -29,7 +29,7 @@ from nanoserve.sampler import InvalidRequest, SamplingParams, require
 from nanoserve.sampling_params import uses_processors
 from nanoserve.scheduler import Scheduler
 from nanoserve.seams import Seams
-from nanoserve.sequence import Sequence, SequenceStatus
+from nanoserve.sequence import Sequence
 from nanoserve.tokenizer import load_tokenizer, read_eos_token_ids, tokenize
 
 
@@ -51,8 +51,7 @@ class LLMEngine:
             raise ValueError(f"block_size={config.block_size} is larger than max_model_len={self.max_model_len} "
                              f"and than 256, flash-attn's page size")
         check_tensor_parallel(config.tensor_parallel_size, hf_config, self.device)
-        runner = ModelRunner if config.tensor_parallel_size == 1 else seams.tensor_parallel
-        require(runner is not None, "tensor_parallel_size", config.tensor_parallel_size, "1 (no parallel.py)")
+        runner = ModelRunner if config.tensor_parallel_size == 1 else seams.tensor_parallel  # parallel.py's
         self.model_runner = runner(config, self.device, self.max_model_len, seams=seams)
         try:  # with tensor parallelism, a failure from here on must stop the workers just started
             self.vocab_size = self.model_runner.model.vocab_size
@@ -66,7 +65,6 @@ class LLMEngine:
             eos_token_ids = read_eos_token_ids(config.model, hf_config)
             self.scheduler = Scheduler(config, num_blocks, self.block_size, self.max_model_len, eos_token_ids,
                                        seams.drafter)
-            self.seams = seams
             self.grammars = seams.grammars and seams.grammars(self.tokenizer, self.vocab_size, eos_token_ids)
             self.requests: dict[str, Sequence] = {}  # unfinished requests by id
             self.aborted: list[RequestOutput] = []   # aborted or failed since the last step: the next reports them
@@ -99,7 +97,7 @@ class LLMEngine:
         for name, ids in ("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or ()):
             if bad := [t for t in ids if t >= self.vocab_size]:
                 raise InvalidRequest(name, f"{name} {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
-        if uses_processors(params) and not (self.seams.logits_processor and self.grammars):
+        if uses_processors(params) and self.grammars is None:
             raise InvalidRequest("sampling_params", "penalties, logit_bias, min_tokens and structured_outputs need "
                                                     "the logits processors, which this engine was built without")
         detokenizer = Detokenizer(self.tokenizer, params.stop or (), params.include_stop_str_in_output,
@@ -120,6 +118,14 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         self.aborted.append(request_output(seq))
         return self.aborted[-1]
+
+    def fail_request(self, seq: Sequence, error: Exception) -> None:
+        """End a waiting request that failed alone (its grammar did not compile): finish_reason "error", and
+        `error` in its output, which the next step reports."""
+        seq.error = error
+        del self.requests[seq.request_id]
+        self.scheduler.finish(seq, "error")
+        self.aborted.append(request_output(seq))
 
     def discard(self, request_ids: list[str]) -> None:
         """Abort these requests, if unfinished, without reporting them in a later step: for a caller
@@ -157,10 +163,12 @@ class LLMEngine:
         Every unfinished request whose turn it is gets its next prefill chunk or decode token."""
         aborted, self.aborted = self.aborted, []
         scheduled = self.scheduler.schedule()
+        # Nothing to run is no bug with only requests whose grammar compiles (WAITING_FOR_GRAMMAR) left
+        if not scheduled and (self.scheduler.running or self.scheduler.next_ready() is not None):
+            raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never expected
+        if self.grammars is not None:  # end requests whose grammar failed; idle, wait a little for a compile
+            self.grammars.poll(self.scheduler.waiting, not scheduled, self.fail_request)
         if not scheduled:
-            waiting = [seq.status for seq in self.scheduler.waiting]  # a grammar still compiling is no bug
-            if self.has_unfinished_requests() and SequenceStatus.WAITING_FOR_GRAMMAR not in waiting:
-                raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never expected
             return StepResult(None, [], [], aborted, [])
         decode_ids = [s.request_id for s, n in scheduled
                       if n == 1 + len(s.spec_token_ids) and s.num_computed_tokens >= s.num_prompt_tokens]

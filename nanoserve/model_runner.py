@@ -37,7 +37,7 @@ class ModelRunner:
         self.model = load_model(config.model, self.dtype, device, self.backend, shard, config.max_num_seqs,
                                 seams.weight_transform)
         # not enforce_eager: compiled now, before any request, or eager after one log line (compilation.py)
-        self.compiled = seams.executor is not None and seams.executor.compile(self)
+        self.compiled = seams.executor.compile(self)
         if device.type == "cuda":  # the largest step, once: its peak is what the KV cache leaves free
             torch.cuda.reset_peak_memory_stats(device)
             self.warm_up(config, max_model_len)
@@ -51,7 +51,7 @@ class ModelRunner:
                              f"but only {available / 2**30:.2f} GiB of {device.type} memory is free")
         self.kv_cache = self.allocate_kv_cache(self.num_blocks)
         # decode steps' own runner (CUDA graphs, not enforce_eager), or None: the model runs them
-        self.graphs = seams.executor.capture(self, max_model_len) if seams.executor is not None else None
+        self.graphs = seams.executor.capture(self, max_model_len)
         self.eos_token_ids = read_eos_token_ids(config.model, hf_config)  # min_tokens bans them
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
@@ -112,7 +112,7 @@ class ModelRunner:
         seqs, num_generated = sampling_rows(seqs)  # a row per request, and one per draft (batch.py)
         sampling, prompt_rows = logits[:len(seqs)], logits[len(seqs):]  # [S, vocab], [P, vocab]
         # penalties, grammars...: logits_processors.py (a request using them has no drafts: one row each)
-        processed = self.logits_processor(sampling, seqs, self.eos_token_ids) if self.logits_processor else sampling
+        processed = self.logits_processor(sampling, seqs, self.eos_token_ids)
         token_ids = sample(processed, [s.params for s in seqs], num_generated)
         logprobs: list[dict[int, Logprob] | None] = [None] * len(seqs)
         rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]

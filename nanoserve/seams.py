@@ -15,6 +15,7 @@ says when the core calls it and what it may change:
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -77,18 +78,39 @@ class WeightTransform(Protocol):
 class GrammarCompiler(Protocol):
     """Structured outputs (structured_outputs.py's GrammarCompiler). `LLMEngine.add_request` calls `compile` for
     a request with `structured_outputs`; it returns the request's Grammar (sequence.py), compiling in the
-    background. The request waits as WAITING_FOR_GRAMMAR, which the scheduler skips until `Grammar.ready`; the
-    step never waits for it."""
+    background. The request waits as WAITING_FOR_GRAMMAR, which the scheduler passes over until `Grammar.ready`.
+    `LLMEngine.step` calls `poll` after the scheduler planned, with the waiting requests: it ends by `fail` each
+    whose grammar failed to compile, and when `idle` (nothing was scheduled) it may wait a moment for a compile.
+    It changes nothing else."""
 
     def compile(self, spec: GrammarSpec) -> Grammar: ...
+
+    def poll(self, waiting: Collection[Sequence], idle: bool,
+             fail: Callable[[Sequence, Exception], object]) -> None: ...
+
+
+class EagerSteps:
+    """The core's own step executor: the model as loaded, run eager (enforce_eager=True)."""
+
+    def compile(self, runner: Runner) -> bool:
+        return False
+
+    def capture(self, runner: Runner, max_model_len: int) -> DecodeRunner | None:
+        return None
+
+
+def no_logits_processing(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> torch.Tensor:
+    """The core's own logits processor: the logits as the model gave them."""
+    return logits
 
 
 @dataclass(frozen=True)
 class Seams:
-    """What plugs into the core: the composition root (composition.py) builds it from a config. A seam left None
-    is the core's own way; the requests that would need a missing one (logits processors, grammars) are refused."""
-    executor: StepExecutor | None = None
-    logits_processor: LogitsProcessor | None = None
+    """What plugs into the core: the composition root (composition.py) builds it from a config. The defaults are
+    the core's own way; without grammars (and the logits processors that come with them) the requests that would
+    need them are refused."""
+    executor: StepExecutor = EagerSteps()
+    logits_processor: LogitsProcessor = no_logits_processing
     weight_transform: WeightTransform | None = None
     drafter: Drafter | None = None
     # (tokenizer, vocab_size, EOS ids) -> the engine's grammar compiler, built once per engine

@@ -17,7 +17,7 @@ from nanoserve.sampler import Logprob, SamplingParams
 
 class Grammar(Protocol):
     """A request's grammar (structured_outputs.py's RequestGrammar). The request waits as WAITING_FOR_GRAMMAR
-    until `ready` (its compile ended: a failed one fails the request at its first token); the scheduler checks.
+    until `ready` (compiled; a failed compile is never ready, and the engine ends its request); the scheduler checks.
     `append_token` calls `accept` with each sampled token; what it returns, an error or None, becomes the
     request's `error`."""
     ready: bool

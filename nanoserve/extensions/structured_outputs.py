@@ -21,10 +21,11 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from collections.abc import Collection
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -119,9 +120,9 @@ class RequestGrammar:
 
     @property
     def ready(self) -> bool:
-        """The compile ended: the request may run (the scheduler checks). A failed compile fails its request
-        alone at its first token (`apply_grammar_masks`), logged."""
-        return self.compiled.done()
+        """Compiled: the request may run (the scheduler checks). A failed compile is never ready (`poll` ends
+        its request)."""
+        return self.compiled.done() and failure(self.compiled) is None
 
     @property
     def compiling(self) -> bool:
@@ -170,6 +171,19 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputsParams) -> RequestGrammar:
         """A grammar for one request (its own matcher), compiling in the background unless cached."""
         return RequestGrammar(self.submit(spec))
+
+    def poll(self, waiting: Collection[Sequence], idle: bool, fail: Callable[[Sequence, Exception], object]) -> None:
+        """The grammar compiler seam's step (seams.py). When `idle` (the step scheduled nothing) and every waiting
+        request's grammar is compiling, wait until the first compile ends, but at most 0.1 s, so that a long one
+        never keeps the engine's loop from new requests and aborts. Then fail, each alone and logged, the waiting
+        requests whose grammar failed to compile (never `ready`: the scheduler never admits them)."""
+        compiling = [seq.grammar.compiled for seq in waiting if seq.grammar is not None and seq.grammar.compiling]
+        if idle and waiting and len(compiling) == len(waiting):
+            wait(compiling, 0.1, FIRST_COMPLETED)
+        for seq in [seq for seq in waiting if seq.grammar is not None and seq.grammar.compiled.done()]:
+            if error := failure(seq.grammar.compiled):
+                logging.getLogger(__name__).error(f"grammar of request {seq.request_id!r} failed: {error!r}")
+                fail(seq, error)
 
     def submit(self, spec: StructuredOutputsParams, waiting: bool = False) -> Future:
         """The compile of spec: cached, else started now (a failed one is tried again). The spec is parsed
@@ -244,8 +258,7 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     for row in rows:
         try:
             seqs[row].grammar.start().fill_next_token_bitmask(bitmask, row)
-        except Exception as error:  # this request's grammar (a failed compile, too): its failure, not the step's
-            logging.getLogger(__name__).error(f"grammar of request {seqs[row].request_id!r} failed: {error!r}")
+        except Exception as error:  # this request's grammar: its failure, not the step's
             seqs[row].error = error
     rows = [row for row in rows if seqs[row].error is None]
     if rows:
