@@ -23,6 +23,7 @@ CORE = {
     "nanoserve.sampler",
     "nanoserve.engine",
     "nanoserve.models",
+    "nanoserve.models.families",
     "nanoserve.models.llama",
     "nanoserve.models.loader",
 }
