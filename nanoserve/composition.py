@@ -1,5 +1,5 @@
 """The composition root: the one place that names every extension and builds an engine with those its config
-asks for. The core (engine.py and what it uses) runs alone with every seam empty (seams.py); each extension
+asks for. The core (engine.py and what it uses) runs alone with every seam at its default (seams.py); each extension
 enters at one seam (docs/architecture.md):
 - the step executor: extensions/compilation.py and, on CUDA, extensions/cuda_graphs.py (enforce_eager=False);
 - the logits processor: extensions/logits_processors.py (penalties, min_p, logit_bias, min_tokens, grammar masks);

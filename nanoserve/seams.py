@@ -1,9 +1,9 @@
 """The seams: where extensions plug into the core, one small interface each (docs/architecture.md draws them).
 
-The core (the walkthrough: engine, scheduler, batch, model_runner, models, ...) runs with every seam empty: eager
-steps, no logits processors, no drafts, no grammars, one process, float weights. The composition root
-(composition.py) fills them with the extensions a config asks for; nothing else names an extension. Each seam
-says when the core calls it and what it may change:
+The core (the walkthrough: engine, scheduler, batch, model_runner, models, ...) runs with every seam at its
+default (`Seams()`): eager steps, no logits processing, no drafts, no grammars, one process, float weights.
+The composition root (composition.py) fills them with the extensions a config asks for; nothing else names an
+extension. Each seam says when the core calls it and what it may change:
 - `StepExecutor`: how steps run the model (extensions/compilation.py, extensions/cuda_graphs.py);
 - `LogitsProcessor`: the sampling rows' logits, before the sampler (extensions/logits_processors.py);
 - `WeightTransform`: the model's linears, once loaded (extensions/quantization.py);
