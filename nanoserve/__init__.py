@@ -2,8 +2,8 @@
 from pathlib import Path
 
 from nanoserve.batch import Batch
+from nanoserve.composition import LLMEngine
 from nanoserve.config import Config
-from nanoserve.engine import LLMEngine
 from nanoserve.entrypoints.llm import LLM
 from nanoserve.outputs import RequestDelta, RequestOutput, StepResult
 from nanoserve.sampler import SamplingParams

@@ -17,19 +17,18 @@ from __future__ import annotations
 import itertools
 
 from nanoserve.batch import build_batch, samples_now
-from nanoserve.config import Config, SpeculativeConfig, cdiv
+from nanoserve.config import Config, cdiv
 from nanoserve.detokenizer import Detokenizer
 from nanoserve.device import resolve_device
 from nanoserve.distributed import check_tensor_parallel
-from nanoserve.extensions.parallel import TensorParallelRunner
-from nanoserve.extensions.spec_decode import NgramSpeculator
-from nanoserve.extensions.structured_outputs import GrammarCompiler, fail_grammars, grammars_pending, wait_for_grammars
 from nanoserve.model_runner import ModelRunner
 from nanoserve.models.families import check_max_model_len
 from nanoserve.models.loader import read_config
 from nanoserve.outputs import RequestOutput, StepResult, request_delta, request_output
 from nanoserve.sampler import InvalidRequest, SamplingParams, require
+from nanoserve.sampling_params import uses_processors
 from nanoserve.scheduler import Scheduler
+from nanoserve.seams import Seams
 from nanoserve.sequence import Sequence
 from nanoserve.tokenizer import load_tokenizer, read_eos_token_ids, tokenize
 
@@ -38,9 +37,10 @@ class LLMEngine:
     """The serving loop: requests in (`add_request`), one step of continuous batching at a time
     (`step`), finished requests out (`StepResult.outputs`). Every request that was accepted comes
     out exactly once in some step's outputs, an aborted one too (in the step after the abort).
-    Not thread-safe: see the module docstring."""
+    Not thread-safe: see the module docstring. This is the core alone unless `seams` (seams.py) plug extensions
+    in: `nanoserve.LLMEngine` (composition.py) is this engine with those its config asks for."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, seams: Seams = Seams()) -> None:
         self.config = config
         self.device = resolve_device(config.device)
         hf_config = read_config(config.model)
@@ -51,8 +51,8 @@ class LLMEngine:
             raise ValueError(f"block_size={config.block_size} is larger than max_model_len={self.max_model_len} "
                              f"and than 256, flash-attn's page size")
         check_tensor_parallel(config.tensor_parallel_size, hf_config, self.device)
-        runner = ModelRunner if config.tensor_parallel_size == 1 else TensorParallelRunner
-        self.model_runner = runner(config, self.device, self.max_model_len)
+        runner = ModelRunner if config.tensor_parallel_size == 1 else seams.tensor_parallel  # parallel.py's
+        self.model_runner = runner(config, self.device, self.max_model_len, seams=seams)
         try:  # with tensor parallelism, a failure from here on must stop the workers just started
             self.vocab_size = self.model_runner.model.vocab_size
             num_blocks, self.block_size = self.model_runner.num_blocks, self.model_runner.block_size
@@ -63,10 +63,9 @@ class LLMEngine:
                     f"max_model_len={self.max_model_len} tokens: raise num_kvcache_blocks or lower max_model_len")
             self.tokenizer = load_tokenizer(config.model)
             eos_token_ids = read_eos_token_ids(config.model, hf_config)
-            spec = config.speculative_config  # n-gram drafts for the decodes (spec_decode.py), if asked for
-            drafter = NgramSpeculator(SpeculativeConfig.from_dict(spec)) if spec is not None else None
-            self.scheduler = Scheduler(config, num_blocks, self.block_size, self.max_model_len, eos_token_ids, drafter)
-            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids)
+            self.scheduler = Scheduler(config, num_blocks, self.block_size, self.max_model_len, eos_token_ids,
+                                       seams.drafter)
+            self.grammars = seams.grammars and seams.grammars(self.tokenizer, self.vocab_size, eos_token_ids)
             self.requests: dict[str, Sequence] = {}  # unfinished requests by id
             self.aborted: list[RequestOutput] = []   # aborted or failed since the last step: the next reports them
             self.request_counter = itertools.count()
@@ -98,6 +97,9 @@ class LLMEngine:
         for name, ids in ("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or ()):
             if bad := [t for t in ids if t >= self.vocab_size]:
                 raise InvalidRequest(name, f"{name} {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
+        if uses_processors(params) and self.grammars is None:
+            raise InvalidRequest("sampling_params", "penalties, logit_bias, min_tokens and structured_outputs need "
+                                                    "the logits processors, which this engine was built without")
         detokenizer = Detokenizer(self.tokenizer, params.stop or (), params.include_stop_str_in_output,
                                   params.min_tokens) if self.tokenizer else None
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
@@ -159,14 +161,14 @@ class LLMEngine:
     def step(self) -> StepResult:
         """One turn of continuous batching: schedule -> build_batch -> forward + sample -> update.
         Every unfinished request whose turn it is gets its next prefill chunk or decode token."""
-        if not self.scheduler.running:  # nothing else to run while grammars compile: wait a little for them
-            wait_for_grammars(list(self.scheduler.waiting))  # structured_outputs.py
-        fail_grammars(self.scheduler.waiting, self.fail_request)
         aborted, self.aborted = self.aborted, []
         scheduled = self.scheduler.schedule()
+        # Nothing to run is no bug with only requests whose grammar compiles (WAITING_FOR_GRAMMAR) left
+        if not scheduled and (self.scheduler.running or self.scheduler.next_ready() is not None):
+            raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never expected
+        if self.grammars is not None:  # end requests whose grammar failed; idle, wait a little for a compile
+            self.grammars.poll(self.scheduler.waiting, not scheduled, self.fail_request)
         if not scheduled:
-            if self.has_unfinished_requests() and not grammars_pending(self.scheduler.waiting):
-                raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never expected
             return StepResult(None, [], [], aborted, [])
         decode_ids = [s.request_id for s, n in scheduled
                       if n == 1 + len(s.spec_token_ids) and s.num_computed_tokens >= s.num_prompt_tokens]

@@ -14,30 +14,30 @@ from nanoserve.batch import Batch, build_batch, prompt_logprob_positions, sample
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config, cdiv
 from nanoserve.device import free_memory, resolve_dtype
 from nanoserve.distributed import Shard, broadcast_from_rank0
-from nanoserve.extensions.compilation import compile_model
-from nanoserve.extensions.cuda_graphs import capture_graphs
-from nanoserve.extensions.logits_processors import process_logits
 from nanoserve.models import get_head_dim
 from nanoserve.models.loader import load_model, read_config
 from nanoserve.sampler import Logprob, SamplerOutput, SamplingParams, sample, top_logprobs
+from nanoserve.seams import Seams
 from nanoserve.sequence import Sequence
 from nanoserve.tokenizer import read_eos_token_ids
 
 
 class ModelRunner:
     """Loads the model (`shard`'s part of it) and a KV cache on `device`, and runs one Batch per step;
-    rank 0's samples. Where the ranks of a group run, they must be in it already (parallel.py)."""
+    rank 0's samples. Where the ranks of a group run, they must be in it already (parallel.py). `seams`: the
+    extensions that enter here (seams.py): the weight transform, the step executor, the logits processor."""
 
-    def __init__(self, config: Config, device: torch.device, max_model_len: int, shard: Shard = Shard()) -> None:
-        self.shard, self.device = shard, device
+    def __init__(self, config: Config, device: torch.device, max_model_len: int, shard: Shard = Shard(),
+                 seams: Seams = Seams()) -> None:
+        self.shard, self.device, self.logits_processor = shard, device, seams.logits_processor
         self.dtype = resolve_dtype(config.dtype, device, config.model)
         hf_config = read_config(config.model)
         self.backend, self.block_size = select_attention(config.attention_backend, config.block_size, device,
                                                          self.dtype, get_head_dim(hf_config))
         self.model = load_model(config.model, self.dtype, device, self.backend, shard, config.max_num_seqs,
-                                config.quantization)
+                                seams.weight_transform)
         # not enforce_eager: compiled now, before any request, or eager after one log line (compilation.py)
-        self.compiled = not config.enforce_eager and compile_model(self, config)
+        self.compiled = seams.executor.compile(self)
         if device.type == "cuda":  # the largest step, once: its peak is what the KV cache leaves free
             torch.cuda.reset_peak_memory_stats(device)
             self.warm_up(config, max_model_len)
@@ -50,7 +50,8 @@ class ModelRunner:
             raise ValueError(f"num_kvcache_blocks={self.num_blocks} needs {needed / 2**30:.2f} GiB for the KV cache, "
                              f"but only {available / 2**30:.2f} GiB of {device.type} memory is free")
         self.kv_cache = self.allocate_kv_cache(self.num_blocks)
-        self.graphs = capture_graphs(self, config, max_model_len)  # decode steps on CUDA, not enforce_eager
+        # decode steps' own runner (CUDA graphs, not enforce_eager), or None: the model runs them
+        self.graphs = seams.executor.capture(self, max_model_len)
         self.eos_token_ids = read_eos_token_ids(config.model, hf_config)  # min_tokens bans them
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
@@ -111,7 +112,7 @@ class ModelRunner:
         seqs, num_generated = sampling_rows(seqs)  # a row per request, and one per draft (batch.py)
         sampling, prompt_rows = logits[:len(seqs)], logits[len(seqs):]  # [S, vocab], [P, vocab]
         # penalties, grammars...: logits_processors.py (a request using them has no drafts: one row each)
-        processed = process_logits(sampling, seqs, self.eos_token_ids)
+        processed = self.logits_processor(sampling, seqs, self.eos_token_ids)
         token_ids = sample(processed, [s.params for s in seqs], num_generated)
         logprobs: list[dict[int, Logprob] | None] = [None] * len(seqs)
         rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]

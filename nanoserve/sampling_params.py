@@ -113,6 +113,15 @@ def is_finite_real(value: object) -> bool:
         return False
 
 
+def has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
+
+
+def uses_processors(p: SamplingParams) -> bool:
+    """Does a request need the logits processors (extensions/logits_processors.py) to sample as it asks?"""
+    return p.structured_outputs is not None or p.min_tokens > 0 or bool(p.logit_bias) or has_penalties(p)
+
+
 def check_processor_params(p: SamplingParams) -> None:
     """SamplingParams' checks for the fields logits_processors.py applies (vLLM's bounds): ValueError naming
     the field."""

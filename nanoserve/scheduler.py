@@ -55,11 +55,11 @@ Row = tuple[int, dict[int, Logprob] | None]  # a sampled token and its logprobs
 
 
 class Drafter(Protocol):
-    """Speculative decoding's seam (spec_decode.py's NgramSpeculator). `schedule_drafts` is called after the
-    running requests are planned, in a step that preempted none: it may set a decode's `spec_token_ids` and
-    add them to its tokens this step. `accept` is called in `update` for a request that had drafts, with its
-    1 + k sampled rows: it returns the rows to append and may roll `num_computed_tokens` back over the
-    rejected drafts. `stats` reports its counters."""
+    """Speculative decoding's seam (extensions/spec_decode.py's Speculator, over any of its Proposers).
+    `schedule_drafts` is called after the running requests are planned, in a step that preempted none: it may
+    set a decode's `spec_token_ids` and add them to its tokens this step. `accept` is called in `update` for a
+    request that had drafts, with its 1 + k sampled rows: it returns the rows to append and may roll
+    `num_computed_tokens` back over the rejected drafts. `stats` reports its counters."""
 
     def schedule_drafts(self, scheduler: Scheduler, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]: ...
 
@@ -172,9 +172,9 @@ class Scheduler:
         return scheduled
 
     def next_ready(self) -> Sequence | None:
-        """The first waiting request that can run: one whose grammar is still compiling (structured_outputs.py)
-        waits, without holding up those behind it."""
-        return next((seq for seq in self.waiting if seq.grammar is None or seq.grammar.ready), None)
+        """The first waiting request that can run. One WAITING_FOR_GRAMMAR is passed over until its grammar is
+        ready (compiled: structured_outputs.py), without holding up those behind it."""
+        return next((seq for seq in self.waiting if seq.status is SequenceStatus.WAITING or seq.grammar.ready), None)
 
     def max_cache_hit(self, seq: Sequence, planned: Iterable[ScheduledSeq]) -> int | None:
         """How many of seq's tokens a prefix-cache hit may cover (None: any). With prompt logprobs, only
@@ -268,7 +268,8 @@ class Scheduler:
         `update`), also check that it fits the limits and that no block is written by two requests."""
         live = [*self.waiting, *self.running]
         assert len({id(seq) for seq in live}) == len(live), f"a request is queued twice: {live}"
-        assert all(s.status is SequenceStatus.WAITING and not s.block_table and s.num_computed_tokens == 0
+        waiting_states = (SequenceStatus.WAITING, SequenceStatus.WAITING_FOR_GRAMMAR)
+        assert all(s.status in waiting_states and not s.block_table and s.num_computed_tokens == 0
                    for s in self.waiting), f"a waiting request is not WAITING or holds KV: {list(self.waiting)}"
         assert all(s.status is SequenceStatus.RUNNING for s in self.running), f"bad running: {list(self.running)}"
         assert len(self.running) <= self.config.max_num_seqs, f"{len(self.running)} running > max_num_seqs"

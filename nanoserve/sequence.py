@@ -16,14 +16,18 @@ from nanoserve.sampler import Logprob, SamplingParams
 
 
 class Grammar(Protocol):
-    """A request's grammar (structured_outputs.py's RequestGrammar). `append_token` calls `accept` with
-    each sampled token; what it returns, an error or None, becomes the request's `error`."""
+    """A request's grammar (structured_outputs.py's RequestGrammar). The request waits as WAITING_FOR_GRAMMAR
+    until `ready` (compiled; a failed compile is never ready, and the engine ends its request); the scheduler checks.
+    `append_token` calls `accept` with each sampled token; what it returns, an error or None, becomes the
+    request's `error`."""
+    ready: bool
 
     def accept(self, token: int) -> Exception | None: ...
 
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()   # queued: not yet admitted, or preempted and waiting to be recomputed
+    WAITING_FOR_GRAMMAR = enum.auto()  # queued, its grammar compiling: the scheduler passes it over
     RUNNING = enum.auto()   # admitted: holds KV blocks and is scheduled every step
     FINISHED = enum.auto()  # done: blocks returned, output reported
 
@@ -47,7 +51,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []              # prefix-cache keys of the full blocks, in order
         self.spec_token_ids: list[int] = []              # draft tokens this step verifies (spec_decode.py)
-        self.status = SequenceStatus.WAITING
+        self.status = SequenceStatus.WAITING if grammar is None else SequenceStatus.WAITING_FOR_GRAMMAR
         self.finish_reason: str | None = None            # "stop" | "length" | "abort" | "error"
         # Why this request failed alone (its grammar or a logits processor raised: logits_processors.py);
         # set, it ends with "error" at its next token and no other request notices.

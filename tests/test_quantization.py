@@ -2,6 +2,8 @@
 dequantized weight, the engine is token-exact with transformers running weights dequantized by the
 rule written out here (`quantize_by_hand`), alone, compiled and under tensor parallelism, and bad
 values are named errors."""
+from functools import partial
+
 import pytest
 import torch
 from test_engine import MAX_TOKENS, PROMPTS
@@ -13,7 +15,7 @@ import conftest
 from conftest import greedy
 from nanoserve import LLM
 from nanoserve.config import Config
-from nanoserve.extensions.quantization import Int8Linear, check_kernel
+from nanoserve.extensions.quantization import Int8Linear, check_kernel, quantize_linears
 from nanoserve.models.loader import load_model
 
 
@@ -86,7 +88,8 @@ def test_int8_logits_are_the_dequantized_models(tiny_models, tmp_path, model):
     """The same at the logits, which tokens alone may not show: close to transformers' on the dequantized
     weights and measurably apart from the float model's (so a layer left in float would fail)."""
     path = tiny_models[model]
-    net = load_model(path, torch.float32, torch.device("cpu"), "torch", quantization="int8")
+    int8 = partial(quantize_linears, quantization="int8")  # the weight transform seam (seams.py)
+    net = load_model(path, torch.float32, torch.device("cpu"), "torch", transform=int8)
     kv_cache = torch.zeros(2, net.num_layers, 16, 4, net.num_kv_heads, net.head_dim)
     with torch.inference_mode():
         ours = net(make_batch([PROMPT]), kv_cache)  # [n, vocab]

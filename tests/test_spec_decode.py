@@ -230,7 +230,7 @@ def test_server_takes_speculative_config_and_reports_acceptance():
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    from nanoserve.engine import LLMEngine
+    from nanoserve import LLMEngine
     from nanoserve.entrypoints.openai.api_server import ServerThread, build_app, build_parser
     from nanoserve.entrypoints.utils import engine_config
     args = build_parser("serve").parse_args([DEFAULT_MODEL, "--block-size", "16", "--device", "cpu",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nanoserve.engine import LLMEngine
+from nanoserve.composition import build_engine
 from nanoserve.entrypoints.utils import OneLineParser, add_engine_arguments, engine_config, positive
 from nanoserve.sampler import SamplingParams
 
@@ -65,7 +65,7 @@ def generate(argv: list[str]) -> None:
     try:  # a bad value is one line, before the model loads
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed)
-        engine = LLMEngine(engine_config(args))
+        engine = build_engine(engine_config(args))
     except (ValueError, OSError) as error:
         parser.error(str(error))
     try:

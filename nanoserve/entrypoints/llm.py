@@ -10,8 +10,8 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
+from nanoserve.composition import build_engine
 from nanoserve.config import Config
-from nanoserve.engine import LLMEngine
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampler import SamplingParams, is_int
 
@@ -20,7 +20,7 @@ class LLM:
     """Offline inference: `LLM(model_path, **config).generate(prompts, sampling_params)`."""
 
     def __init__(self, model: str, **config: object) -> None:
-        self.engine = LLMEngine(Config.from_kwargs(model, **config))
+        self.engine = build_engine(Config.from_kwargs(model, **config))
 
     def close(self) -> None:
         """Stop the workers of `tensor_parallel_size` > 1 and free their port; a no-op otherwise."""

@@ -18,29 +18,21 @@ Invariants:
 
 Inductor keeps its generated code in an on-disk cache (by default `/tmp/torchinductor_$USER`, or
 `$TORCHINDUCTOR_CACHE_DIR`): a second start reuses the first's work. Delete that folder to clear it.
+
+It enters the core at the step-executor seam (seams.py's `StepExecutor`), which the composition root
+(composition.py's `CompiledSteps`) fills with `compile_model` and cuda_graphs.py's `capture_graphs`.
 """
 from __future__ import annotations
 
 import logging
-from typing import Protocol
 
 import torch
 
 from nanoserve.batch import build_batch
 from nanoserve.config import Config
 from nanoserve.sampler import SamplingParams
+from nanoserve.seams import Runner
 from nanoserve.sequence import Sequence
-
-
-class Runner(Protocol):
-    """What compilation and CUDA graphs (cuda_graphs.py) read of model_runner.py's ModelRunner."""
-    model: torch.nn.Module     # the model: called as model(batch, kv_cache) -> logits
-    device: torch.device
-    backend: str               # the attention backend's name ("flash", "sdpa", ...)
-    block_size: int
-    kv_cache: torch.Tensor
-
-    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor: ...
 
 
 def why_not_compile(device: torch.device, tensor_parallel_size: int) -> str | None:

@@ -32,8 +32,9 @@ from torch import Tensor
 
 from nanoserve.batch import Batch, build_batch
 from nanoserve.config import Config, cdiv
-from nanoserve.extensions.compilation import Runner, describe
+from nanoserve.extensions.compilation import describe
 from nanoserve.sampler import SamplingParams
+from nanoserve.seams import Runner
 from nanoserve.sequence import Sequence
 
 

@@ -21,16 +21,9 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from nanoserve.extensions.structured_outputs import apply_grammar_masks
-from nanoserve.sampler import InvalidRequest, SamplingParams
+from nanoserve.sampler import InvalidRequest
+from nanoserve.sampling_params import has_penalties, uses_processors
 from nanoserve.sequence import Sequence
-
-
-def has_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
-
-
-def uses_processors(p: SamplingParams) -> bool:
-    return p.structured_outputs is not None or p.min_tokens > 0 or bool(p.logit_bias) or has_penalties(p)
 
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> torch.Tensor:

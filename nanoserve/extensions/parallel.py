@@ -22,6 +22,7 @@ from nanoserve.config import Config
 from nanoserve.distributed import TIMEOUT, Shard, join_group, rank_device
 from nanoserve.model_runner import ModelRunner
 from nanoserve.sampler import SamplerOutput
+from nanoserve.seams import Seams, WeightTransform
 from nanoserve.sequence import Sequence
 
 
@@ -29,15 +30,15 @@ class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: starts the workers, joins their group, loads shard 0, and runs each step's
     Batch after sending it to the workers. Any failure stops every rank (they are out of step)."""
 
-    def __init__(self, config: Config, device: torch.device, max_model_len: int) -> None:
+    def __init__(self, config: Config, device: torch.device, max_model_len: int, seams: Seams = Seams()) -> None:
         shard = Shard(0, config.tensor_parallel_size)
-        self.workers = Workers(config, max_model_len, device)
+        self.workers = Workers(config, max_model_len, device, seams.weight_transform)
         # at close(), or once this runner is garbage (an LLM dropped without close()); only once
         self.release = weakref.finalize(self, self.workers.close)
         try:
             self.workers.wait_until_started()
             join_group(shard, self.workers.store, rank_device(device, 0))
-            super().__init__(config, rank_device(device, 0), max_model_len, shard)
+            super().__init__(config, rank_device(device, 0), max_model_len, shard, seams)
             dist.barrier()  # every rank has its shard and cache: a worker's failure shows here
         except BaseException as error:
             self.stop_workers_after(error)
@@ -74,7 +75,8 @@ class TensorParallelRunner(ModelRunner):
 class Workers:
     """Ranks 1..N-1, each a process running `run_worker`, driven by rank 0 over one pipe each."""
 
-    def __init__(self, config: Config, max_model_len: int, device: torch.device) -> None:
+    def __init__(self, config: Config, max_model_len: int, device: torch.device,
+                 weight_transform: WeightTransform | None = None) -> None:
         # The group's meeting point, on a port the system picks: rank 0 serves it, workers connect
         self.store = dist.TCPStore("127.0.0.1", 0, config.tensor_parallel_size, is_master=True,
                                    wait_for_workers=False, timeout=TIMEOUT)
@@ -85,7 +87,9 @@ class Workers:
         self.pipes, self.processes = [], []
         for rank in range(1, config.tensor_parallel_size):
             pipe, child_end = context.Pipe()
-            args = (config, max_model_len, rank, self.store.port, child_end, device, torch.get_num_threads())
+            # each rank transforms its own shard's weights (quantization), so the workers get the transform too
+            args = (config, max_model_len, rank, self.store.port, child_end, device, torch.get_num_threads(),
+                    weight_transform)
             process = context.Process(target=run_worker, args=args, daemon=True)  # daemon: ends with us
             process.start()
             child_end.close()  # ours closed, so a worker's death reads as EOF here
@@ -153,7 +157,7 @@ class Workers:
 
 
 def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: object,
-               device: torch.device, num_threads: int) -> None:
+               device: torch.device, num_threads: int, weight_transform: WeightTransform | None = None) -> None:
     """A worker's life: join the group, load its shard, then run every Batch rank 0 sends until
     None. Anything raised goes back to rank 0 over the pipe; the exit closes its sockets, which
     fails rank 0's collective at once."""
@@ -164,7 +168,7 @@ def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: o
         pipe.send("started")
         shard, device = Shard(rank, config.tensor_parallel_size), rank_device(device, rank)
         join_group(shard, store, device)
-        runner = ModelRunner(config, device, max_model_len, shard)
+        runner = ModelRunner(config, device, max_model_len, shard, Seams(weight_transform=weight_transform))
         dist.barrier()
         while (message := pipe.recv()) is not None:
             tensors, others = message  # the Batch's tensors as numpy arrays, and its other fields

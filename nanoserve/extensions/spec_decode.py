@@ -26,13 +26,13 @@ rolls back over it and a later step writes over it; blocks that held only reject
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from nanoserve.config import SpeculativeConfig
-from nanoserve.extensions.logits_processors import uses_processors
 from nanoserve.sampler import Logprob
+from nanoserve.sampling_params import uses_processors
 from nanoserve.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -54,11 +54,32 @@ def propose_ngram(token_ids: np.ndarray, k: int, n_min: int, n_max: int) -> list
     return []
 
 
-class NgramSpeculator:
-    """Drafts for a scheduler's decodes (`schedule_drafts`), their verification (`accept`), and vLLM's counters."""
+class Proposer(Protocol):
+    """Where draft tokens come from. `Speculator.schedule_drafts` calls `propose` for each decode it drafts for,
+    with the request's tokens so far and the most drafts that fit: it returns up to k token ids it guesses
+    follow them ([] for none), and changes nothing. `NgramProposer` is one; tests/test_drafter.py has another,
+    which proposes fixed tokens. Scheduling, verifying and rolling back are the same for every proposer."""
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]: ...
+
+
+class NgramProposer:
+    """Prompt lookup (`propose_ngram`), with speculative_config's n-gram sizes."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        return propose_ngram(np.asarray(token_ids), k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+
+class Speculator:
+    """The scheduler's Drafter (scheduler.py): drafts for its decodes from a `Proposer` (`schedule_drafts`), their
+    verification (`accept`), and vLLM's counters."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+        self.config = config
+        self.proposer = proposer or NgramProposer(config)
         self.num_drafts = self.num_draft_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
 
@@ -79,16 +100,13 @@ class NgramSpeculator:
                 spare_blocks = max(0, manager.num_free_blocks - reserve)
                 room = min(self.config.num_speculative_tokens, budget, scheduler.max_kv_len(seq) - seq.num_tokens,
                            (len(seq.block_table) + spare_blocks) * block_size - seq.num_tokens)
-                seq.spec_token_ids = self.propose(seq.token_ids, room) if room > 0 else []
+                seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)[:room] if room > 0 else []
                 allocated = manager.allocate(seq, seq.num_tokens + len(seq.spec_token_ids))  # not in the assert: -O
                 assert allocated, f"{seq}: no room for drafts"
                 num_new += len(seq.spec_token_ids)
                 budget -= len(seq.spec_token_ids)
             planned.append((seq, num_new))
         return planned
-
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        return propose_ngram(np.asarray(token_ids), k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
     def accept(self, seq: Sequence, rows: list[tuple[int, dict[int, Logprob] | None]],
                block_manager: BlockManager) -> list[tuple[int, dict[int, Logprob] | None]]:

@@ -23,7 +23,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
 from functools import cached_property
@@ -123,7 +123,8 @@ class RequestGrammar:
 
     @property
     def ready(self) -> bool:
-        """Compiled: the request may run. A failed compile is never ready (`fail_grammars` ends its request)."""
+        """Compiled: the request may run (the scheduler checks). A failed compile is never ready (`poll` ends
+        its request)."""
         return self.compiled.done() and failure(self.compiled) is None
 
     @property
@@ -180,6 +181,19 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputsParams) -> RequestGrammar:
         """A grammar for one request (its own matcher), compiling in the background unless cached."""
         return RequestGrammar(self.submit(spec))
+
+    def poll(self, waiting: Collection[Sequence], idle: bool, fail: Callable[[Sequence, Exception], object]) -> None:
+        """The grammar compiler seam's step (seams.py). When `idle` (the step scheduled nothing) and every waiting
+        request's grammar is compiling, wait until the first compile ends, but at most 0.1 s, so that a long one
+        never keeps the engine's loop from new requests and aborts. Then fail, each alone and logged, the waiting
+        requests whose grammar failed to compile (never `ready`: the scheduler never admits them)."""
+        compiling = [seq.grammar.compiled for seq in waiting if seq.grammar is not None and seq.grammar.compiling]
+        if idle and waiting and len(compiling) == len(waiting):
+            wait(compiling, 0.1, FIRST_COMPLETED)
+        for seq in [seq for seq in waiting if seq.grammar is not None and seq.grammar.compiled.done()]:
+            if error := failure(seq.grammar.compiled):
+                logging.getLogger(__name__).error(f"grammar of request {seq.request_id!r} failed: {error!r}")
+                fail(seq, error)
 
     def submit(self, spec: StructuredOutputsParams, waiting: bool = False, checked: bool = False) -> Future:
         """The compile of spec: cached, else started now (a failed one is tried again). A spec past the bounds
@@ -274,30 +288,6 @@ class GrammarCompiler:
 def failure(future: Future) -> BaseException | None:
     """A done future's exception: CancelledError if it was cancelled (Future.exception would raise it)."""
     return CancelledError() if future.cancelled() else future.exception()
-
-
-def fail_grammars(waiting: Iterable[Sequence], fail: Callable[[Sequence, Exception], object]) -> None:
-    """Fail, each alone and logged, the waiting requests whose grammar failed to compile (the scheduler never
-    admits them: `RequestGrammar.ready`)."""
-    for seq in [seq for seq in waiting if seq.grammar is not None and seq.grammar.compiled.done()]:
-        if error := failure(seq.grammar.compiled):
-            logging.getLogger(__name__).error(f"grammar of request {seq.request_id!r} failed: {error!r}")
-            fail(seq, error)
-
-
-def wait_for_grammars(waiting: list[Sequence]) -> None:
-    """When every waiting request's grammar is compiling, the step has nothing else to do: wait until the
-    first compile ends, but at most 0.1 s, so that a long one never keeps the engine's loop from new requests
-    and aborts."""
-    compiling = [seq.grammar.compiled for seq in waiting if seq.grammar is not None and seq.grammar.compiling]
-    if waiting and len(compiling) == len(waiting):
-        wait(compiling, 0.1, FIRST_COMPLETED)
-
-
-def grammars_pending(waiting: Iterable[Sequence]) -> bool:
-    """Does a waiting request wait for its grammar (compiling, or failed and failed at the next step)? Then a
-    step that schedules nothing made no progress for that reason alone."""
-    return any(seq.grammar is not None and not seq.grammar.ready for seq in waiting)
 
 
 def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -10,7 +10,7 @@ Invariants:
   (llama.py's `CHECKPOINT_MODULES`): which checkpoint tensors stack into a fused parameter, and the
   dim tensor parallelism splits each on. With tensor parallelism a rank reads only its slices, from disk.
 - After loading, each linear layer gets the implementation this device runs fastest (layers/linear.py),
-  or, with `quantization`, an int8 weight (quantization.py).
+  or the weight transform's (seams.py), an int8 weight with `quantization` (extensions/quantization.py).
 """
 from __future__ import annotations
 
@@ -23,18 +23,18 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from nanoserve.distributed import Shard
-from nanoserve.extensions.quantization import quantize_linears
 from nanoserve.layers.linear import pack_linears
 from nanoserve.models.families import describe
 from nanoserve.models.llama import LlamaForCausalLM
+from nanoserve.seams import WeightTransform
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_backend: str,
-               shard: Shard = Shard(), max_num_seqs: int = 256, quantization: str | None = None) -> nn.Module:
+               shard: Shard = Shard(), max_num_seqs: int = 256, transform: WeightTransform | None = None) -> nn.Module:
     """Build the model of a Hugging Face folder (config.json + *.safetensors) on `device` in `dtype`;
     with tensor parallelism, only `shard`'s part of it: every tensor is sliced as it is read. Its
-    linears suit decode steps of up to `max_num_seqs` rows (layers/linear.py), or are `quantization`'s
-    (quantization.py), of this shard's weights."""
+    linears suit decode steps of up to `max_num_seqs` rows (layers/linear.py), or are `transform`'s (the weight
+    transform seam, seams.py: int8 quantization), of this shard's weights."""
     config = read_config(path)
     family = describe(config)
     with torch.device("meta"):  # shapes only: every parameter is replaced by a checkpoint tensor
@@ -53,8 +53,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_ba
     if tied:  # lm_head.weight is the embedding matrix, not a copy
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device).eval()  # .to moves the RoPE cache; parameters are already there
-    if quantization is not None:
-        return quantize_linears(model, quantization)
+    if transform is not None:
+        return transform(model)
     return pack_linears(model, max_num_seqs)
 
 
