@@ -1,10 +1,10 @@
 """The docs point into the code; these tests keep the pointers from going stale without a sound.
 
-1. A line link names a symbol right after it:
-       [`nanoserve/scheduler.py:51`](../nanoserve/scheduler.py#L51) `Scheduler.schedule`
-   Line 51 of that file must be where `Scheduler.schedule` is defined (`def schedule` inside
-   `class Scheduler`). When the code moves, the failure says which link is off and the line the
-   symbol is defined on now, so the fix is to change two numbers.
+1. A link to code names the function or class it points at, never a line number (a line number goes
+   stale with every edit above it):
+       [`Scheduler.schedule`](../nanoserve/scheduler.py)
+   `Scheduler.schedule` must be defined in that file (`def schedule` inside `class Scheduler`). When the
+   code is renamed or moved, the failure says which link is off and the names defined there now.
 2. Every relative link in docs/*.md and README.md leads to a file that exists (and, for a link to
    a heading of a markdown page, to a heading that exists).
 """
@@ -19,9 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
 
 LINK = re.compile(r"\[((?:[^\[\]]|\[[^\]]*\])*)\]\(([^()\s]+)\)")  # [text](target)
-LINE_LINK = re.compile(                                           # [`path.py:N`](path.py#LN) `Symbol`
-    r"\[`?(?P<label>[\w./-]+\.py):(?P<label_line>\d+)`?\]\((?P<target>[\w./-]+\.py)#L(?P<line>\d+)\)"
-    r"(?:\s*`(?P<symbol>[\w.]+)`)?")
+SYMBOL_LINK = re.compile(r"\[`(?P<symbol>[\w.]+)`\]\((?P<target>[\w./-]+\.py)\)")  # [`Symbol`](path.py)
+LINE_NUMBER = re.compile(r"\.py#L\d+")                                       # a link to a line of code
 URL_SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")  # http:, https:, mailto:, ...
 
 
@@ -49,39 +48,32 @@ def definitions(source: str) -> dict[str, int]:
     return found
 
 
-def check_line_link(page: Path, number: int, match: re.Match) -> str | None:
-    """None if the link is right, else which link is off and the line to write instead."""
+def check_symbol_link(page: Path, number: int, match: re.Match) -> str | None:
+    """None if the link's symbol is defined in the file it links to, else which link is off and why."""
     where = f"{page.relative_to(ROOT)}:{number}: {match.group(0)}"
     target = (page.parent / match["target"]).resolve()
     if not target.is_file():
         return f"{where}: {match['target']} does not exist"
-    path = target.relative_to(ROOT).as_posix()
-    if match["label"] != path:
-        return f"{where}: the text names {match['label']} but the link goes to {path}"
-    symbol = match["symbol"]
-    if symbol is None:
-        return f"{where}: name the symbol defined there right after the link, e.g. `Class.method`"
-    source = target.read_text()
-    defined = definitions(source)
-    if symbol not in defined:
-        close = difflib.get_close_matches(symbol, defined, n=3)
-        return f"{where}: `{symbol}` is not defined in {path} any more" + (f"; did you mean {close}?" if close else "")
-    now, label_line, line = defined[symbol], int(match["label_line"]), int(match["line"])
-    if label_line == line == now:
+    defined = definitions(target.read_text())
+    if match["symbol"] in defined:
         return None
-    lines = source.splitlines()
-    said = f"line {line} is `{lines[line - 1].strip()}`" if line <= len(lines) else f"line {line} is past the end"
-    if label_line != line:
-        said = f"the text says line {label_line}, the link line {line}"
-    return (f"{where}: {said}, but `{symbol}` is defined at line {now} now: "
-            f"write [`{path}:{now}`]({match['target']}#L{now})")
+    close = difflib.get_close_matches(match["symbol"], defined, n=3)
+    return (f"{where}: `{match['symbol']}` is not defined in {target.relative_to(ROOT).as_posix()}"
+            + (f"; did you mean {close}?" if close else ""))
 
 
-def test_line_links_point_at_their_symbols() -> None:
-    problems = [check_line_link(page, number, match)
-                for page in PAGES for number, line in prose_lines(page) for match in LINE_LINK.finditer(line)]
+def test_code_links_name_symbols_defined_there() -> None:
+    problems = [check_symbol_link(page, number, match)
+                for page in PAGES for number, line in prose_lines(page) for match in SYMBOL_LINK.finditer(line)]
     problems = [p for p in problems if p is not None]
-    assert not problems, "stale links to code lines:\n" + "\n".join(problems)
+    assert not problems, "stale links to code:\n" + "\n".join(problems)
+
+
+def test_no_link_to_a_line_number() -> None:
+    """Catches a link that goes stale with every edit above its line: name the function instead."""
+    found = [f"{page.relative_to(ROOT)}:{number}: {line.strip()}" for page in PAGES
+             for number, line in prose_lines(page) if LINE_NUMBER.search(line)]
+    assert not found, "link to the function by name, not to a line:\n" + "\n".join(found)
 
 
 def heading_anchors(page: Path) -> set[str]:
@@ -121,17 +113,14 @@ def test_the_docs_exist_and_link_into_the_code() -> None:
     names = {page.name for page in PAGES}
     assert {"walkthrough.md", "batching.md", "life-of-a-request.md"} <= names
     life = (ROOT / "docs" / "life-of-a-request.md").read_text()
-    assert len(LINE_LINK.findall(life)) >= 10
+    assert len(SYMBOL_LINK.findall(life)) >= 10
 
 
-def test_a_stale_line_link_is_reported_with_the_line_it_moved_to() -> None:
+def test_a_renamed_symbol_is_reported_with_the_names_close_to_it() -> None:
     page = ROOT / "docs" / "walkthrough.md"
-    line = definitions((ROOT / "nanoserve" / "scheduler.py").read_text())["Scheduler.schedule"]
-    stale = f"[`nanoserve/scheduler.py:{line + 1}`](../nanoserve/scheduler.py#L{line + 1}) `Scheduler.schedule`"
-    problem = check_line_link(page, 1, LINE_LINK.search(stale))
-    assert problem is not None and f"defined at line {line} now" in problem
-    assert f"#L{line})" in problem
-    good = stale.replace(str(line + 1), str(line))
-    assert check_line_link(page, 1, LINE_LINK.search(good)) is None
+    good = "[`Scheduler.schedule`](../nanoserve/scheduler.py)"
+    assert check_symbol_link(page, 1, SYMBOL_LINK.search(good)) is None
     missing = good.replace("Scheduler.schedule", "Scheduler.shedule")
-    assert "did you mean ['Scheduler.schedule'" in check_line_link(page, 1, LINE_LINK.search(missing))
+    assert "did you mean ['Scheduler.schedule'" in check_symbol_link(page, 1, SYMBOL_LINK.search(missing))
+    moved = good.replace("scheduler.py", "engine.py")
+    assert "is not defined in nanoserve/engine.py" in check_symbol_link(page, 1, SYMBOL_LINK.search(moved))
