@@ -1,12 +1,12 @@
 """Decode steps with int8 weights against float32 and bfloat16 ones, every engine in one process, in turns:
 
-    python scripts/compare_int8.py SMOLLM2_FOLDER [--rounds 3] [--compiled]
+    python scripts/compare_int8.py SMOLLM2_FOLDER [--rounds 3] [--compiled] [--requests 1,48]
 
 For 1 and for 48 requests (random prompts of 16 tokens, 32 greedy tokens each, EOS ignored) each engine
 decodes in turn, `--rounds` times; printed is the median decode step (ms) over the rounds, so that a
 neighbour's load falls on every engine alike. int8 with float32 activations runs at 1 request only
 (at 48 its kernel takes seconds a step). `--compiled` adds int8 with bfloat16 activations compiled
-(enforce_eager=False). The figures are in docs/quantization.md.
+(enforce_eager=False); `--requests 1` measures one request alone. The figures are in docs/quantization.md.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--requests", default="1,48", help="comma-separated numbers of requests, of 1 and 48")
     args = parser.parse_args()
     engines = dict(ENGINES)
     if args.compiled:
@@ -56,9 +57,10 @@ def main() -> None:
     print("compiled:", {name: llm.engine.model_runner.compiled for name, llm in llms.items()})
     print("| engine | 1 request, ms per decode step | 48 requests, ms per decode step | 48 requests, tok/s |")
     print("|---|---|---|---|")
+    sizes = [int(n) for n in args.requests.split(",")]
     times = {(name, n): [] for name in llms for n in (1, 48)}
     for round_ in range(args.rounds):
-        for n in (1, 48):
+        for n in sizes:
             for name, llm in llms.items():
                 if n == 48 and "float32 activations" in name:
                     continue

@@ -42,6 +42,17 @@ def save_dequantized(path: str, out: str, row_parallel_parts: int = 1) -> str:
     return out
 
 
+def test_int8_linear_follows_the_rule_by_hand():
+    """The layer's weight is, bit for bit, the rule `quantize_by_hand` writes out (the rule the engine tests
+    compare with), on a float32 weight with rows of very different sizes. Catches the layer's rule changed
+    (a scale per group, clipping, another rounding) without the tests' rule, or the other way round."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40, bias=False)
+    with torch.no_grad():
+        linear.weight[3] *= 50
+    assert torch.equal(Int8Linear(linear).dequantize(), quantize_by_hand(linear.weight.detach()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_equals_dequantize_then_matmul(dtype, bias):
