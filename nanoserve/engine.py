@@ -121,7 +121,7 @@ class LLMEngine:
 
     def fail_request(self, seq: Sequence, error: Exception) -> None:
         """End a waiting request that failed alone (its grammar did not compile): finish_reason "error", and
-        `error` in its output, which the next step reports."""
+        `error` in its output, which this step reports (step takes `aborted` after the poll)."""
         seq.error = error
         del self.requests[seq.request_id]
         self.scheduler.finish(seq, "error")
@@ -161,13 +161,13 @@ class LLMEngine:
     def step(self) -> StepResult:
         """One turn of continuous batching: schedule -> build_batch -> forward + sample -> update.
         Every unfinished request whose turn it is gets its next prefill chunk or decode token."""
-        aborted, self.aborted = self.aborted, []
         scheduled = self.scheduler.schedule()
         # Nothing to run is no bug with only requests whose grammar compiles (WAITING_FOR_GRAMMAR) left
         if not scheduled and (self.scheduler.running or self.scheduler.next_ready() is not None):
             raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never expected
         if self.grammars is not None:  # end requests whose grammar failed; idle, wait a little for a compile
             self.grammars.poll(self.scheduler.waiting, not scheduled, self.fail_request)
+        aborted, self.aborted = self.aborted, []  # after poll: a request it failed is reported in this step
         if not scheduled:
             return StepResult(None, [], [], aborted, [])
         decode_ids = [s.request_id for s, n in scheduled
