@@ -349,13 +349,12 @@ class Serving:
         if self.tokenizer is None or not (self.chat_template or self.tokenizer.chat_template):
             raise APIError(f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
 
-    async def compile_grammar(self, spec: StructuredOutputsParams, field: str, parse_only: bool = False) -> None:
+    async def compile_grammar(self, spec: StructuredOutputsParams, field: str) -> None:
         """Check spec's bounds in the tokenizer thread and wait for its compile (the engine's GrammarCompiler, in a
         worker process, whose cache add_request then hits), at most max_grammar_compile_seconds once the workers
         have started. A spec past the bounds, one xgrammar rejects, one that crashes the worker, fails to compile
         (`a{2147483648}` parses, lazily) or allows no output (`root ::= root`), or one past the time budget, is a
-        400 naming `field`, for this request alone, before it reaches the engine. `parse_only`: a spec that no
-        grammar uses (a tool's schema), parsed and not compiled."""
+        400 naming `field`, for this request alone, before it reaches the engine."""
         seconds = self.limits.max_grammar_compile_seconds
         started = self.grammars.start_workers()  # ahead of the compile, in each compile thread
         try:
@@ -363,7 +362,7 @@ class Serving:
         except InvalidRequest as error:
             raise APIError(f"{field}: {error}", param=field) from None
         # checked: at once, with no await before `leave`
-        future = self.grammars.submit_parse(spec) if parse_only else self.grammars.submit(spec, True, checked=True)
+        future = self.grammars.submit(spec, True, checked=True)
         try:
             # a worker's start (seconds, once) is not the grammar's fault: not counted against its budget
             await asyncio.shield(asyncio.gather(*map(asyncio.wrap_future, started), return_exceptions=True))
@@ -378,8 +377,7 @@ class Serving:
             raise APIError(f"{field}: the grammar cannot be compiled: {shorten(str(error), 300)}",
                            param=field) from None
         finally:
-            if not parse_only:
-                self.grammars.leave(spec)
+            self.grammars.leave(spec)
 
     def fit_to_context(self, params: SamplingParams, max_tokens: int | None, num_prompt_tokens: int,
                        field: str) -> SamplingParams:
