@@ -10,12 +10,14 @@ import pytest
 from transformers import AutoTokenizer
 
 import nanoserve
+from nanoserve.entrypoints.openai import tool_parsers
 from nanoserve.entrypoints.openai.tool_parsers import (
+    HermesReader,
+    Llama3JsonReader,
+    RequiredReader,
     ToolCallStream,
     named_parser,
-    parse_hermes,
-    parse_llama3_json,
-    parse_required,
+    parse,
 )
 
 WELL_FORMED = [
@@ -66,13 +68,13 @@ def chunkings(pieces: list[str]) -> dict[str, list[str]]:
     return cuts
 
 
-def stream(parse, deltas: list[str], max_calls=None) -> tuple[str, list[tuple[str, str]]]:
+def stream(parser, deltas: list[str], max_calls=None) -> tuple[str, list[tuple[str, str]]]:
     """What a client puts together from the stream: the content, and each call's (name, arguments). Each
     call must come with its id and name once, first, then only argument pieces."""
-    parser = ToolCallStream(parse, max_calls)
+    reader = ToolCallStream(parser, max_calls)
     content, calls = "", {}
     for i, delta in enumerate(deltas):
-        new_content, tool_calls = parser.feed(delta, final=i == len(deltas) - 1)
+        new_content, tool_calls = reader.feed(delta, final=i == len(deltas) - 1)
         content += new_content
         for call in tool_calls:
             if call["index"] not in calls:
@@ -85,8 +87,8 @@ def stream(parse, deltas: list[str], max_calls=None) -> tuple[str, list[tuple[st
     return content, [tuple(calls[i]) for i in range(len(calls))]
 
 
-def whole(parse, text: str) -> tuple[str, list[tuple[str, str]]]:
-    parsed = parse(text, True)
+def whole(parser, text: str) -> tuple[str, list[tuple[str, str]]]:
+    parsed = parse(parser, text)
     return parsed.content, [(call.name, call.arguments) for call in parsed.calls]
 
 
@@ -104,17 +106,17 @@ def test_hermes_streams_add_up_to_the_whole_parse(tokenizer, text):
     """Catches a parser that depends on where deltas end: a tag split over two deltas missed or leaked into
     the content, a name sent before it is complete, argument pieces lost when one delta carries several
     tokens (sglang's multi-token bug), the whole arguments sent again instead of the new piece."""
-    expected = whole(parse_hermes, text)
+    expected = whole(HermesReader, text)
     for name, deltas in chunkings(token_pieces(tokenizer, text)).items():
-        assert stream(parse_hermes, deltas) == expected, name
+        assert stream(HermesReader, deltas) == expected, name
 
 
 @pytest.mark.parametrize("text", WELL_FORMED)
 def test_hermes_reads_what_an_independent_reading_reads(text):
-    """Catches a wrong reading shared by the whole and the streamed parse (both use parse_hermes): nested
+    """Catches a wrong reading shared by the whole and the streamed parse (both use HermesReader): nested
     braces or a brace in a string ending the arguments early, an escaped quote ending a string, arguments
     given before the name, text around the calls dropped or kept twice."""
-    content, calls = whole(parse_hermes, text)
+    content, calls = whole(HermesReader, text)
     expected_content, expected_calls = independent_hermes(text)
     assert content == expected_content
     assert [(name, json.loads(arguments)) for name, arguments in calls] == expected_calls
@@ -123,12 +125,12 @@ def test_hermes_reads_what_an_independent_reading_reads(text):
 def test_hermes_cut_short():
     """max_tokens inside the arguments keeps their prefix (OpenAI's "length" answer); a block without a
     name is content; half a tag at the end of the output is content."""
-    assert whole(parse_hermes, CUT_SHORT[0]) == ("", [("get_weather", '{"city": "Ba')])
-    assert whole(parse_hermes, CUT_SHORT[1]) == ('Hello <tool_call>{"na', [])
-    assert whole(parse_hermes, CUT_SHORT[2]) == ("<tool_call>not json</tool_call> after", [])
-    assert whole(parse_hermes, CUT_SHORT[3]) == ("Done. <tool_ca", [])
-    assert parse_hermes(CUT_SHORT[0], True).calls[0].complete is False
-    assert parse_hermes(WELL_FORMED[0], True).calls[1].complete is True
+    assert whole(HermesReader, CUT_SHORT[0]) == ("", [("get_weather", '{"city": "Ba')])
+    assert whole(HermesReader, CUT_SHORT[1]) == ('Hello <tool_call>{"na', [])
+    assert whole(HermesReader, CUT_SHORT[2]) == ("<tool_call>not json</tool_call> after", [])
+    assert whole(HermesReader, CUT_SHORT[3]) == ("Done. <tool_ca", [])
+    assert parse(HermesReader, CUT_SHORT[0]).calls[0].complete is False
+    assert parse(HermesReader, WELL_FORMED[0]).calls[1].complete is True
 
 
 def test_forced_and_llama3_outputs_stream_as_they_parse(tokenizer):
@@ -139,19 +141,52 @@ def test_forced_and_llama3_outputs_stream_as_they_parse(tokenizer):
     required = '[{"name": "get_weather", "parameters": {"city": "Bath"}}, {"name": "get_time", "parameters": {}}]'
     named = '{"city": "Bath", "days": [1, 2]}'
     llama3 = '{"name": "get_weather", "parameters": {"city": "Bath"}}; {"name": "get_time", "parameters": {"z": 1}}'
-    cases = [(parse_required, required, [(c["name"], c["parameters"]) for c in json.loads(required)]),
+    cases = [(RequiredReader, required, [(c["name"], c["parameters"]) for c in json.loads(required)]),
              (named_parser("get_weather"), named, [("get_weather", json.loads(named))]),
-             (parse_llama3_json, llama3, [(json.loads(p)["name"], json.loads(p)["parameters"])
+             (Llama3JsonReader, llama3, [(json.loads(p)["name"], json.loads(p)["parameters"])
                                           for p in llama3.split("; ")])]
-    for parse, text, expected in cases:
-        content, calls = whole(parse, text)
+    for parser, text, expected in cases:
+        content, calls = whole(parser, text)
         assert content == "" and [(name, json.loads(arguments)) for name, arguments in calls] == expected
         for name, deltas in chunkings(token_pieces(tokenizer, text)).items():
-            assert stream(parse, deltas) == (content, calls), (text, name)
-    assert whole(parse_llama3_json, "Plain text, no call.") == ("Plain text, no call.", [])
+            assert stream(parser, deltas) == (content, calls), (text, name)
+    assert whole(Llama3JsonReader, "Plain text, no call.") == ("Plain text, no call.", [])
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call(tokenizer):
     """max_calls=1 (parallel_tool_calls false): the second call is never sent."""
-    content, calls = stream(parse_hermes, token_pieces(tokenizer, WELL_FORMED[0]), max_calls=1)
+    content, calls = stream(HermesReader, token_pieces(tokenizer, WELL_FORMED[0]), max_calls=1)
     assert [name for name, _ in calls] == ["get_weather"]
+
+
+class Counting:
+    """A token pattern of tool_parsers that counts the characters its matches consume."""
+
+    def __init__(self, pattern: re.Pattern) -> None:
+        self.pattern, self.num_chars = pattern, 0
+
+    def match(self, text: str, pos: int, endpos: int) -> re.Match:
+        match = self.pattern.match(text, pos, endpos)
+        self.num_chars += match.end() - pos
+        return match
+
+
+@pytest.mark.parametrize("parser, text", [
+    (HermesReader, 'Sure. <tool_call>{"name": "f", "arguments": {"items": [%s], "note": "%s"}}</tool_call>'
+     % (", ".join(f'{{"k": "v{i}"}}' for i in range(300)), "x\\\"y" * 1000)),
+    (RequiredReader, '[%s]' % ", ".join(f'{{"name": "f", "parameters": {{"k": [{i}, "{"z" * 40}"]}}}}'
+                                        for i in range(100))),
+    (Llama3JsonReader, "; ".join(f'{{"name": "f", "parameters": {{"s": "{"w" * 300}"}}}}' for i in range(20))),
+    (named_parser("f"), '{"s": "%s", "n": [%s]}' % ("q" * 5000, ", ".join(map(str, range(1000))))),
+])
+def test_a_stream_reads_each_character_once(monkeypatch, parser, text):
+    """Streamed one character at a time, the readers' token patterns consume each character of the output a
+    bounded number of times (twice: "required"'s array and its item), and the stream still adds up to the whole
+    parse. Catches the quadratic stream: the whole text parsed again at each delta (a 4,900-delta call cost
+    16.5 s of event loop), and a string that the text stopped inside read again from its opening quote at each
+    delta (quadratic in a long string argument)."""
+    counters = {name: Counting(getattr(tool_parsers, name)) for name in ("STRING_REST", "LITERAL_REST", "WHITESPACE")}
+    for name, counter in counters.items():
+        monkeypatch.setattr(tool_parsers, name, counter)
+    assert stream(parser, list(text)) == whole(parser, text)
+    assert sum(counter.num_chars for counter in counters.values()) <= 4 * len(text)  # stream and whole: 2 readings

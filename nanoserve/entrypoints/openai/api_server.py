@@ -60,7 +60,7 @@ from nanoserve.entrypoints.openai.protocol import (
 )
 from nanoserve.entrypoints.openai.serving_chat import create_chat_completion
 from nanoserve.entrypoints.openai.serving_completion import create_completion
-from nanoserve.entrypoints.openai.serving_engine import Serving
+from nanoserve.entrypoints.openai.serving_engine import Serving, client_of
 from nanoserve.entrypoints.openai.serving_responses import create_response
 from nanoserve.entrypoints.openai.tool_parsers import PARSERS
 from nanoserve.entrypoints.utils import OneLineParser, add_engine_arguments, engine_config, positive
@@ -90,7 +90,7 @@ async def tokenize_text(request: Request) -> Response:
 
         def prepare() -> list[int]:
             return serving.tokenize(body.prompt, "prompt", given(body.add_special_tokens, True), bounded=False)
-    token_ids = await serving.in_tokenizer_thread(prepare)
+    token_ids = await serving.in_tokenizer_thread(prepare, client_of(request))
     reply = dict(count=len(token_ids), max_model_len=serving.max_model_len, tokens=token_ids)
     if body.return_token_strs:
         reply["token_strs"] = serving.tokenizer.convert_ids_to_tokens(token_ids)
@@ -114,7 +114,8 @@ async def detokenize_tokens(request: Request) -> Response:
     bad = [t for t in body.tokens if not 0 <= t < len(tokenizer)]
     if bad:
         raise APIError(f"tokens {bad[:5]} are outside [0, {len(tokenizer)})", param="tokens")
-    return JSONResponse({"prompt": await serving.in_tokenizer_thread(lambda: tokenizer.decode(body.tokens))})
+    text = await serving.in_tokenizer_thread(lambda: tokenizer.decode(body.tokens), client_of(request))
+    return JSONResponse({"prompt": text})
 
 
 async def list_models(request: Request) -> Response:

@@ -32,9 +32,9 @@ async def serve_chat(serving: Serving, request: Request, body: ChatBody, arrival
     serving.check_request_bytes([m["content"] for m in messages], "messages")
     body, api = prepare_tools(body, serving.tool_call_parser)
     tools = template_tools(body)
-    await check_tool_schemas(serving, body.tools)
 
     def prepare() -> list[Prompt]:  # as LLM.chat: the template wrote the special tokens (<s>)
+        check_tool_schemas(body.tools, serving.limits)
         text = serving.render_chat(messages, tools=tools)
         return [Prompt(serving.tokenize(text, "messages", add_special_tokens=False))]
     return await generate_response(serving, request, api, body, 1, prepare, arrival_time, answer)

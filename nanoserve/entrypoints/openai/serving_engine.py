@@ -3,8 +3,9 @@ slots of --max-num-queued-requests, prompts fitted to the context, and how resul
 
 `Serving` is the app's state (app.state.serving): the AsyncLLM (async_llm.py) whose engine thread
 alone calls the engine, the tokenizer thread that tokenizes and renders chat templates (so that
-neither the event loop nor the engine thread waits on a long input), and the metrics. Handlers never
-call the engine; they use its tokenizer (from the tokenizer thread) and its constants.
+neither the event loop nor the engine thread waits on a long input; clients take turns there:
+tokenizer_thread.py), and the metrics. Handlers never call the engine; they use its tokenizer (from the
+tokenizer thread) and its constants.
 
 An HTTP request's choices are n completions of each prompt: choice p * n + i is completion i of
 prompt p (as vLLM), each its own engine request; a `Generation` (streaming.py) submits them
@@ -20,14 +21,16 @@ import collections
 import hashlib
 import math
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TypeVar
+
+from fastapi import Request
 
 from nanoserve import LLMEngine, RequestDelta, RequestOutput, SamplingParams
 from nanoserve.entrypoints.async_llm import AsyncLLM
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.protocol import APIError, Limits, SamplingBody, given, shorten
+from nanoserve.entrypoints.tokenizer_thread import TokenizerThread
 from nanoserve.extensions.structured_outputs import StructuredOutputsParams
 from nanoserve.sampler import InvalidRequest, Logprob
 
@@ -191,6 +194,12 @@ def client_key(headers: dict[str, str], peer: str | None, by_api_key: bool) -> s
     return f"peer:{peer}"
 
 
+def client_of(request: Request) -> str:
+    """The request's client, as `client_key` names it."""
+    serving: Serving = request.app.state.serving
+    return client_key(request.headers, request.client.host if request.client else None, serving.clients_by_api_key)
+
+
 def grammar_field(body: SamplingBody) -> str:
     """The field that asked for structured outputs: an error about the grammar names it."""
     return "structured_outputs" if body.structured_outputs is not None else "response_format"
@@ -234,7 +243,7 @@ class Serving:
         self.grammars.max_bytes, self.grammars.max_depth = limits.max_grammar_bytes, limits.max_grammar_depth
         self.metrics = Metrics(model_name, num_usable_blocks=engine.model_runner.num_blocks - 1)  # block 0: unused
         self.async_llm = AsyncLLM(engine, self.metrics)
-        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer")
+        self.tokenizer_thread = TokenizerThread()  # its jobs taken in turns across clients
         self.vocab_size = engine.vocab_size
         self.token_strings = TokenStrings(self.tokenizer, self.vocab_size)
         # Completions of accepted HTTP requests that the engine has not finished (event loop only), and
@@ -312,8 +321,9 @@ class Serving:
             raise APIError(f"{field} has {num_bytes} bytes of text in all, more than this server tokenizes for one "
                            f"request ({self.max_request_prompt_bytes} bytes)", param=field)
 
-    async def in_tokenizer_thread(self, work: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, work)
+    async def in_tokenizer_thread(self, work: Callable[[], T], client: str = "") -> T:
+        """work() in the tokenizer thread, in `client`'s turn (`client_key`)."""
+        return await self.tokenizer_thread.run(work, client)
 
     def tokenize(self, text: str, field: str, add_special_tokens: bool = True, bounded: bool = True) -> list[int]:
         """In the tokenizer thread. `bounded`: a text too long for the context by its bytes alone is refused."""
@@ -349,21 +359,20 @@ class Serving:
         if self.tokenizer is None or not (self.chat_template or self.tokenizer.chat_template):
             raise APIError(f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
 
-    async def compile_grammar(self, spec: StructuredOutputsParams, field: str, parse_only: bool = False) -> None:
+    async def compile_grammar(self, spec: StructuredOutputsParams, field: str, client: str = "") -> None:
         """Check spec's bounds in the tokenizer thread and wait for its compile (the engine's GrammarCompiler, in a
         worker process, whose cache add_request then hits), at most max_grammar_compile_seconds once the workers
         have started. A spec past the bounds, one xgrammar rejects, one that crashes the worker, fails to compile
         (`a{2147483648}` parses, lazily) or allows no output (`root ::= root`), or one past the time budget, is a
-        400 naming `field`, for this request alone, before it reaches the engine. `parse_only`: a spec that no
-        grammar uses (a tool's schema), parsed and not compiled."""
+        400 naming `field`, for this request alone, before it reaches the engine."""
         seconds = self.limits.max_grammar_compile_seconds
         started = self.grammars.start_workers()  # ahead of the compile, in each compile thread
         try:
-            await self.in_tokenizer_thread(lambda: self.grammars.check(spec))
+            await self.in_tokenizer_thread(lambda: self.grammars.check(spec), client)
         except InvalidRequest as error:
             raise APIError(f"{field}: {error}", param=field) from None
         # checked: at once, with no await before `leave`
-        future = self.grammars.submit_parse(spec) if parse_only else self.grammars.submit(spec, True, checked=True)
+        future = self.grammars.submit(spec, True, checked=True)
         try:
             # a worker's start (seconds, once) is not the grammar's fault: not counted against its budget
             await asyncio.shield(asyncio.gather(*map(asyncio.wrap_future, started), return_exceptions=True))
@@ -378,8 +387,7 @@ class Serving:
             raise APIError(f"{field}: the grammar cannot be compiled: {shorten(str(error), 300)}",
                            param=field) from None
         finally:
-            if not parse_only:
-                self.grammars.leave(spec)
+            self.grammars.leave(spec)
 
     def fit_to_context(self, params: SamplingParams, max_tokens: int | None, num_prompt_tokens: int,
                        field: str) -> SamplingParams:

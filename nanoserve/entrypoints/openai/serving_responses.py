@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from functools import partial
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from nanoserve import RequestOutput
 from nanoserve.entrypoints.openai.chat_api import ChatAPI
@@ -166,7 +166,10 @@ async def answer(generation: Generation, api: ChatAPI, head: dict, body: Respons
     items = [message_item(message["content"])] if message["content"] else []
     items += [call_item(call["id"], call["function"]["name"], call["function"]["arguments"])
               for call in message.get("tool_calls", [])]
-    return JSONResponse(response_object(body, head, items, choice["finish_reason"], api.usage(outputs)))
+    # json.dumps' ASCII escapes: a lone surrogate echoed from the body ("\ud800" in a tool's description) is JSON
+    # as it came; JSONResponse's UTF-8 could not encode it (a 500)
+    return Response(json.dumps(response_object(body, head, items, choice["finish_reason"], api.usage(outputs))),
+                    media_type="application/json")
 
 
 def message_item(text: str, status: str = "completed") -> dict:

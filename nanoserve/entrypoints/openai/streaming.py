@@ -29,7 +29,7 @@ from nanoserve.entrypoints.openai.serving_engine import (
     Prompt,
     Serving,
     Shown,
-    client_key,
+    client_of,
     grammar_field,
     sampling_params,
 )
@@ -112,13 +112,13 @@ async def generate_response(serving: Serving, request: Request, api: API, body: 
     params = sampling_params(body, api, max_tokens, serving.limits)
     if body.stream_options is not None and not body.stream:
         raise APIError("stream_options is only for stream=true", param="stream_options")
-    client = client_key(request.headers, request.client.host if request.client else None, serving.clients_by_api_key)
+    client = client_of(request)
     generation = Generation(serving, num_prompts * params.n, grammar_field(body), client)  # takes its slots, or 429
 
     async def start() -> Response:
-        prompts = await serving.in_tokenizer_thread(prepare)
+        prompts = await serving.in_tokenizer_thread(prepare, client)
         if params.structured_outputs is not None:  # compiled before the engine sees it: a bad one is a 400
-            await serving.compile_grammar(params.structured_outputs, grammar_field(body))
+            await serving.compile_grammar(params.structured_outputs, grammar_field(body), client)
         fitted = [serving.fit_to_context(params, max_tokens, len(p.token_ids), api.prompt_field) for p in prompts]
         await generation.submit([(p.token_ids, f) for p, f in zip(prompts, fitted)], arrival_time)
         formatter = api(body, prompts, params.n, serving.token_strings)

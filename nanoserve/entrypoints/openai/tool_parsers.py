@@ -1,12 +1,17 @@
 """Tool calls read out of a model's text: the hermes format, and the JSON a forced call's grammar writes.
 
-A parser is a pure function `parse(text, final) -> Parsed`: the content and the calls that the text so far
-shows for certain. `final` says the text is the whole output; before that, whatever might still turn
-into something else is held back (a "<tool_ca" that may become a tag, trailing whitespace that may end up
-between two calls, a call whose name is not complete). What a parser shows only grows as the text does:
-each later `Parsed` extends the one before (the content, the list of calls, each call's arguments). So a
-stream can send the differences (`ToolCallStream`), and what it sends adds up to the whole text's parse,
-however the text was cut into deltas: one token at a time, or several (speculative decoding).
+A parser reads one output as it grows (`ToolReader.read(text, final)`, given the whole text so far each time):
+it returns the content new since the last reading, and keeps the calls the text so far shows for certain.
+`final` says the text is the whole output; before that, whatever might still turn into something else is held
+back (a "<tool_ca" that may become a tag, trailing whitespace that may end up between two calls, a call whose
+name is not complete). What a reader shows only grows as the text does: the content, the list of calls, each
+call's arguments. So a stream sends the differences (`ToolCallStream`), and what it sends adds up to the whole
+text's parse (`parse`: one reading of the whole text), however the text was cut into deltas: one token at a
+time, or several (speculative decoding).
+
+Each reading goes on where the last one stopped (`JsonScan` keeps its place in the JSON, a reader its place
+in the text): a stream's parsing costs time linear in its output's length. (Parsing the whole text again at
+each delta cost a 4,900-delta call 16.5 s of event loop, 6.5 ms for its last delta.)
 
 A call's `arguments` is the JSON text of the arguments as the model wrote it (OpenAI's shape: a string),
 cut short where the output was (max_tokens).
@@ -18,20 +23,24 @@ The formats:
   several joined by "; ";
 - a named function forced (tool_choice {"type": "function", ...}): the output is the arguments;
 - tool_choice "required": the output is a JSON array of {"name": ..., "parameters": {...}}.
-The JSON is read by `top_level_values`, which finds the spans of an object's members (or an array's items)
-in a text that may stop anywhere, from a regex's tokens.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-# One JSON token: a string (its closing quote in the group `closed`, absent while the text stops inside
-# it), a punctuation mark, a literal (number, true, false, null) or a run of whitespace.
-TOKEN = re.compile(r'"(?:[^"\\]|\\.)*(?P<closed>")?|[{}\[\]:,]|[^\s{}\[\]:,"]+|\s+', re.DOTALL)
+# The rest of a JSON token after its first character: a string's (its closing quote in the group `closed`,
+# absent while the text stops inside it), a literal's (number, true, false, null), a run of whitespace.
+STRING_REST = re.compile(r'(?:[^"\\]|\\.)*(?P<closed>")?', re.DOTALL)
+LITERAL_REST = re.compile(r'[^\s{}\[\]:,"]*')
+WHITESPACE = re.compile(r"\s+")
+PUNCTUATION = "{}[]:,"
+SEPARATOR = re.compile(r"\s*;\s*\{")  # llama3_json: "; {" begins the next call
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 
@@ -49,9 +58,6 @@ class Parsed:
     calls: list[ToolCall]
 
 
-Parser = Callable[[str, bool], Parsed]
-
-
 @dataclass(frozen=True)
 class Span:
     """Where one JSON value lies in a text: [start, end); end None while the text stops inside it."""
@@ -59,155 +65,322 @@ class Span:
     end: int | None
 
 
-def top_level_values(text: str) -> tuple[list[tuple[str | None, Span]], int | None]:
-    """The members of the JSON object (key, span) or the items of the array (None, span) that `text`
-    begins, as far as the text goes, and where the container ends (None: not closed). Nested values are
-    skipped by counting brackets outside strings. Invalid JSON stops the reading where it goes wrong."""
-    values: list[tuple[str | None, Span]] = []
-    depth, key, state, is_object = 0, None, "open", False
-    for match in TOKEN.finditer(text):
-        token = match.group()
+@dataclass(frozen=True)
+class CallRead:
+    """A call as read so far: its arguments are text[start:end], or `fixed` where the call has no arguments
+    member ("{}" once its object is closed), so a stream slices only the piece it has not sent."""
+    name: str
+    start: int
+    end: int
+    complete: bool
+    fixed: str | None = None
+
+    def arguments(self, text: str, num_sent: int = 0) -> str:
+        """The arguments past their first num_sent characters."""
+        return self.fixed[num_sent:] if self.fixed is not None else text[self.start + num_sent:self.end]
+
+    def tool_call(self, text: str) -> ToolCall:
+        return ToolCall(self.name, self.arguments(text), self.complete)
+
+
+class JsonScan:
+    """The members of the JSON object (key, span) or the items of the array (None, span) that begins at `start`
+    of a text that grows, as far as the text goes (up to `stop`), and where the container ends (`end`; None: not
+    closed). Nested values are skipped by counting brackets outside strings. Invalid JSON stops the reading where
+    it goes wrong, for good. Each `read` goes on from the last one's place: a token the text stopped inside (a
+    string not yet closed, a literal such as "tru") is taken up where its reading got to, so a growing text is
+    read once in all."""
+
+    def __init__(self, start: int) -> None:
+        self.pos = start                         # the next token begins here
+        self.resume: int | None = None           # the token at pos is read up to here (the text stopped inside it)
+        self.state = "open"                      # open, key, colon, value, after; closed or failed: read no more
+        self.depth, self.key, self.is_object = 0, None, False
+        self.values: list[tuple[str | None, Span]] = []
+        self.last: dict[str | None, int] = {}    # key -> index in values of its last value (as dict(values))
+        self.open_value: Span | None = None      # a value at depth 1 whose only token the text stops inside
+        self.end: int | None = None
+        self.decoded: dict[Span, Any] = {}       # json.loads of a value's span, once
+
+    def read(self, text: str, stop: int) -> None:
+        self.open_value = None
+        while self.pos < stop and self.state not in ("closed", "failed"):
+            end = self.token_end(text, stop)
+            if end is None:  # the text stops inside this token
+                if self.depth == 1 and self.state == "value":  # a member's value begins with it
+                    self.open_value = Span(self.pos, None)
+                return
+            self.take(text, self.pos, end)
+            self.pos, self.resume = end, None
+
+    def token_end(self, text: str, stop: int) -> int | None:
+        """Where the token at pos ends, or None if the text (up to stop) ends inside it."""
+        first = text[self.pos]
+        if first in PUNCTUATION:
+            return self.pos + 1
+        if first.isspace():
+            return WHITESPACE.match(text, self.pos, stop).end()
+        is_string = first == '"'
+        if self.resume is None:
+            self.resume = self.pos + 1 if is_string else self.pos
+        match = (STRING_REST if is_string else LITERAL_REST).match(text, self.resume, stop)
+        if is_string and match.group("closed") is not None or not is_string and match.end() < stop:
+            return match.end()
+        self.resume = match.end()  # never after a lone backslash: `\\.` left it unmatched
+        return None
+
+    def take(self, text: str, start: int, end: int) -> None:
+        """One whole token, text[start:end]."""
+        token = text[start:end]
         if token.isspace():
-            continue
-        is_string = token.startswith('"')
-        unclosed_string = is_string and match.group("closed") is None
-        open_literal = not is_string and token not in "{}[]:," and match.end() == len(text)  # may go on: "tru"
-        if unclosed_string or open_literal:  # the text stops inside this token
-            if depth == 1 and state == "value":  # a member's value begins with it
-                values.append((key, Span(match.start(), None)))
-            break
-        if state == "open":  # the first token: the container itself
-            if token not in ("{", "["):
-                break
-            is_object = token == "{"
-            depth, state = 1, "key" if is_object else "value"
-        elif depth > 1:  # inside a nested value: only brackets count
-            depth += (token in ("{", "[")) - (token in ("}", "]"))
-            if depth == 1:
-                values[-1] = (key, Span(values[-1][1].start, match.end()))
-                state = "after"
+            return
+        if self.state == "open":  # the first token: the container itself
+            self.is_object = token == "{"
+            self.depth, self.state = 1, ("key" if self.is_object else "value") if token in ("{", "[") else "failed"
+        elif self.depth > 1:  # inside a nested value: only brackets count
+            self.depth += (token in ("{", "[")) - (token in ("}", "]"))
+            if self.depth == 1:
+                self.add_value(self.values[-1][1].start, end, replace=True)
+                self.state = "after"
         elif token in ("}", "]"):  # the container closes ("{}" and "[]" too)
-            return values, match.end()
-        elif state == "key" and is_string:
-            key, state = json.loads(token), "colon"
-        elif state == "colon" and token == ":":
-            state = "value"
-        elif state == "value" and token in ("{", "["):
-            depth = 2
-            values.append((key, Span(match.start(), None)))
-        elif state == "value" and token not in ":,":
-            values.append((key, Span(match.start(), match.end())))
-            state = "after"
-        elif state == "after" and token == ",":
-            state = "key" if is_object else "value"
+            self.end, self.state = end, "closed"
+        elif self.state == "key" and token.startswith('"'):
+            self.key, self.state = self.read_key(token)
+        elif self.state == "colon" and token == ":":
+            self.state = "value"
+        elif self.state == "value" and token in ("{", "["):
+            self.depth = 2
+            self.add_value(start, None)
+        elif self.state == "value" and token not in (":", ","):
+            self.add_value(start, end)
+            self.state = "after"
+        elif self.state == "after" and token == ",":
+            self.state = "key" if self.is_object else "value"
         else:  # invalid JSON: read no further
-            break
-    return values, None
+            self.state = "failed"
+
+    @staticmethod
+    def read_key(token: str) -> tuple[str | None, str]:
+        """A member's key and the state after it; a string that is no JSON (a bad escape, "\\x") fails the reading."""
+        try:
+            return json.loads(token), "colon"
+        except ValueError:
+            return None, "failed"
+
+    def add_value(self, start: int, end: int | None, replace: bool = False) -> None:
+        if replace:
+            self.values.pop()
+        self.last[self.key] = len(self.values)
+        self.values.append((self.key, Span(start, end)))
+
+    def items(self) -> list[tuple[str | None, Span]]:
+        """The values read so far, the one the text stops inside last."""
+        return self.values + ([(self.key, self.open_value)] if self.open_value is not None else [])
+
+    def span(self, key: str) -> Span | None:
+        """The span of key's last value."""
+        if self.open_value is not None and self.key == key:
+            return self.open_value
+        return self.values[self.last[key]][1] if key in self.last else None
+
+    def value(self, text: str, span: Span) -> Any:
+        """A whole value's JSON, decoded once (None where it is no JSON)."""
+        if span not in self.decoded:
+            try:
+                self.decoded[span] = json.loads(text[span.start:span.end])
+            except (ValueError, RecursionError):
+                self.decoded[span] = None
+        return self.decoded[span]
 
 
-def read_call(text: str, arguments_keys: tuple[str, ...]) -> ToolCall | None:
-    """The call that the JSON object in `text` (perhaps cut short) writes: {"name": ..., <arguments key>: {...}};
-    None until its name is complete. Without an arguments member, a closed object's arguments are {}."""
-    members, end = top_level_values(text)
-    closed = end is not None
-    spans = dict(members)
-    name_span = spans.get("name")
+def read_call(text: str, scan: JsonScan, stop: int, arguments_keys: tuple[str, ...]) -> CallRead | None:
+    """The call that the JSON object `scan` reads (perhaps cut short at stop) writes: {"name": ..., <arguments
+    key>: {...}}; None until its name is complete. Without an arguments member, a closed object's arguments
+    are {}."""
+    name_span = scan.span("name")
     if name_span is None or name_span.end is None:
         return None
-    name = json.loads(text[name_span.start:name_span.end])
+    name = scan.value(text, name_span)
     if not isinstance(name, str):
         return None
-    arguments_span = next((spans[key] for key in arguments_keys if key in spans), None)
-    if arguments_span is None:
-        return ToolCall(name, "{}" if closed else "", closed)
-    end = arguments_span.end if arguments_span.end is not None else len(text)
-    return ToolCall(name, text[arguments_span.start:end], arguments_span.end is not None)
+    closed = scan.end is not None
+    arguments = next((span for key in arguments_keys if (span := scan.span(key)) is not None), None)
+    if arguments is None:
+        return CallRead(name, 0, 0, closed, "{}" if closed else "")
+    end = arguments.end if arguments.end is not None else stop
+    return CallRead(name, arguments.start, end, arguments.end is not None)
 
 
-def partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (and may become it)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
+def partial_suffix(text: str, tag: str, start: int = 0) -> int:
+    """The length of the longest end of text[start:] that begins `tag` (and may become it)."""
+    for size in range(min(len(tag) - 1, len(text) - start), 0, -1):
+        if text.endswith(tag[:size], start):
             return size
     return 0
 
 
-def held_back(content: str, final: bool, calls: list[ToolCall]) -> str:
-    """Content as shown so far: trailing whitespace waits (it may turn out to lie before a call), and is
-    dropped at the end of an output with calls."""
-    return content.rstrip() if not final or calls else content
+class ToolReader:
+    """One output's calls and content, read as the output grows: `read(text, final)` takes the whole text so far
+    (each time the last one's text and more) and returns the content new since the last reading; `calls` are
+    the calls so far. The last call may still change while its JSON is open (`show_call`)."""
 
+    def __init__(self) -> None:
+        self.calls: list[CallRead] = []
+        self.provisional = False  # the last of `calls` is the open JSON value's, read again at the next reading
 
-def parse_hermes(text: str, final: bool) -> Parsed:
-    """hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the text around them is
-    content, and so is a block whose JSON has no name once it is closed."""
-    content, calls, pos = [], [], 0
-    while True:
-        start = text.find(HERMES_OPEN, pos)
-        if start < 0:
-            rest = text[pos:]
-            content.append(rest if final else rest[:len(rest) - partial_suffix(rest, HERMES_OPEN)])
-            break
-        content.append(text[pos:start])
-        body_start = start + len(HERMES_OPEN)
-        end = text.find(HERMES_CLOSE, body_start)
-        body = text[body_start:end] if end >= 0 else text[body_start:]
-        if end < 0 and not final:
-            body = body[:len(body) - partial_suffix(body, HERMES_CLOSE)]
-        call = read_call(body, ("arguments", "parameters"))
+    def read(self, text: str, final: bool) -> str:
+        raise NotImplementedError
+
+    def show_call(self, call: CallRead | None, settled: bool) -> None:
+        """The call of the JSON value read last (None: none yet): `settled` once the value is closed."""
+        if self.provisional:
+            self.calls.pop()
         if call is not None:
-            calls.append(call)
-        elif end >= 0 or final:  # no call after all: its text is content
-            content.append(text[start:end + len(HERMES_CLOSE)] if end >= 0 else text[start:])
-        if end < 0:
-            break
-        pos = end + len(HERMES_CLOSE)
-    return Parsed(held_back("".join(content), final, calls), calls)
+            self.calls.append(call)
+        self.provisional = call is not None and not settled
 
 
-def parse_llama3_json(text: str, final: bool) -> Parsed:
+class HermesReader(ToolReader):
+    """hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the text around them is
+    content, and so is a block whose JSON has no name once it is closed. Trailing whitespace of the content
+    waits (it may lie before a call), and is dropped at the end of an output with calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = 0                     # the text before it is read (content shown or held, closed blocks)
+        self.searched = 0                # no tag that the reading looks for begins before it
+        self.block: int | None = None    # where the open block's <tool_call> begins
+        self.scan = JsonScan(0)          # the open block's JSON
+        self.held = ""                   # the content's trailing whitespace, not yet shown
+
+    def read(self, text: str, final: bool) -> str:
+        content = []
+        while True:
+            if self.block is None:
+                start = text.find(HERMES_OPEN, max(self.pos, self.searched))
+                if start < 0:  # content up to a "<tool_ca" that may become a tag
+                    stop = len(text) if final else len(text) - partial_suffix(text, HERMES_OPEN, self.pos)
+                    content.append(text[self.pos:stop])
+                    self.pos = self.searched = stop
+                    break
+                content.append(text[self.pos:start])
+                self.block, self.pos = start, start + len(HERMES_OPEN)
+                self.searched, self.scan = self.pos, JsonScan(self.pos)
+            end = text.find(HERMES_CLOSE, self.searched)
+            if end < 0:
+                stop = len(text) if final else len(text) - partial_suffix(text, HERMES_CLOSE, self.pos)
+                self.searched = max(self.pos, len(text) - len(HERMES_CLOSE) + 1)
+            self.scan.read(text, end if end >= 0 else stop)
+            call = read_call(text, self.scan, end if end >= 0 else stop, ("arguments", "parameters"))
+            self.show_call(call, end >= 0)
+            if end < 0:
+                if call is None and final:  # no call after all: its text is content
+                    content.append(text[self.block:])
+                break
+            if call is None:
+                content.append(text[self.block:end + len(HERMES_CLOSE)])
+            self.block, self.pos = None, end + len(HERMES_CLOSE)
+            self.searched = self.pos
+        return self.hold_back("".join(content), final)
+
+    def hold_back(self, content: str, final: bool) -> str:
+        """The new content to show: its trailing whitespace held back, until the end of an output without calls."""
+        content = self.held + content
+        if final and not self.calls:
+            self.held = ""
+            return content
+        shown = content.rstrip()
+        self.held = content[len(shown):]
+        return shown
+
+
+class Llama3JsonReader(ToolReader):
     """llama3_json: an output that begins with '{' (after whitespace, or Llama's <|python_tag|>) is calls,
     {"name": ..., "parameters": {...}} objects joined by ";"; any other output is content."""
-    stripped = text.lstrip()
-    if stripped.startswith(PYTHON_TAG):
-        stripped = stripped[len(PYTHON_TAG):].lstrip()
-    if not stripped.startswith("{"):  # content, once its first characters say so
-        undecided = not final and PYTHON_TAG.startswith(stripped)
-        return Parsed("" if undecided else text, [])
-    calls, pos = [], len(text) - len(stripped)
-    while True:
-        call = read_call(text[pos:], ("parameters", "arguments"))
-        if call is not None:
-            calls.append(call)
-        _, end = top_level_values(text[pos:])
-        if end is None:
-            break
-        separator = re.match(r"\s*;\s*\{", text[pos + end:])  # "; {" begins the next call
-        if separator is None:
-            break
-        pos += end + separator.end() - 1
-    return Parsed("", calls)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kind: str | None = None   # "calls" or "content", once the output's first characters say which
+        self.num_shown = 0             # content: characters shown
+        self.scan = JsonScan(0)        # calls: the last call's JSON
+
+    def read(self, text: str, final: bool) -> str:
+        if self.kind is None:
+            stripped = text.lstrip()
+            if stripped.startswith(PYTHON_TAG):
+                stripped = stripped[len(PYTHON_TAG):].lstrip()
+            if stripped.startswith("{"):
+                self.kind, self.scan = "calls", JsonScan(len(text) - len(stripped))
+            elif not final and PYTHON_TAG.startswith(stripped):
+                return ""  # undecided
+            else:
+                self.kind = "content"
+        if self.kind == "content":
+            content, self.num_shown = text[self.num_shown:], len(text)
+            return content
+        while True:
+            self.scan.read(text, len(text))
+            separator = SEPARATOR.match(text, self.scan.end) if self.scan.end is not None else None
+            self.show_call(read_call(text, self.scan, len(text), ("parameters", "arguments")), separator is not None)
+            if separator is None:
+                return ""
+            self.scan = JsonScan(separator.end() - 1)
+
+
+class RequiredReader(ToolReader):
+    """tool_choice "required": the grammar's JSON array of {"name": ..., "parameters": {...}}."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.array = JsonScan(0)
+        self.num_settled = 0               # items read to their end
+        self.item = JsonScan(0)            # the item being read, which begins at item_start
+        self.item_start: int | None = None
+
+    def read(self, text: str, final: bool) -> str:
+        self.array.read(text, len(text))
+        values, open_value = self.array.values, self.array.open_value
+        while self.num_settled < len(values) + (open_value is not None):
+            span = values[self.num_settled][1] if self.num_settled < len(values) else open_value
+            if self.item_start != span.start:
+                self.item, self.item_start = JsonScan(span.start), span.start
+            stop = span.end if span.end is not None else len(text)
+            self.item.read(text, stop)
+            self.show_call(read_call(text, self.item, stop, ("parameters",)), span.end is not None)
+            if span.end is None:
+                break
+            self.num_settled += 1
+        return ""
+
+
+class NamedReader(ToolReader):
+    """A forced named function: the whole output is its arguments (the grammar writes nothing else)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name, self.scan = name, JsonScan(0)
+
+    def read(self, text: str, final: bool) -> str:
+        self.scan.read(text, len(text))
+        self.calls = [CallRead(self.name, 0, len(text), self.scan.end is not None)]
+        return ""
+
+
+Parser = Callable[[], ToolReader]  # makes one output's reader
 
 
 def named_parser(name: str) -> Parser:
-    """A forced named function: the whole output is its arguments (the grammar writes nothing else)."""
-    def parse(text: str, final: bool) -> Parsed:
-        return Parsed("", [ToolCall(name, text, top_level_values(text)[1] is not None)])
-    return parse
+    return functools.partial(NamedReader, name)
 
 
-def parse_required(text: str, final: bool) -> Parsed:
-    """tool_choice "required": the grammar's JSON array of {"name": ..., "parameters": {...}}."""
-    items, _ = top_level_values(text)
-    calls = []
-    for _, span in items:
-        call = read_call(text[span.start:span.end if span.end is not None else len(text)], ("parameters",))
-        if call is not None:
-            calls.append(call)
-    return Parsed("", calls)
+PARSERS: dict[str, Parser] = {"hermes": HermesReader, "llama3_json": Llama3JsonReader}  # --tool-call-parser
 
 
-PARSERS: dict[str, Parser] = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}  # --tool-call-parser
+def parse(parser: Parser, text: str, final: bool = True) -> Parsed:
+    """A whole output's content and calls (a stream's, cut short, with final False)."""
+    reader = parser()
+    content = reader.read(text, final)
+    return Parsed(content, [call.tool_call(text) for call in reader.calls])
 
 
 def new_call_id() -> str:
@@ -215,33 +388,38 @@ def new_call_id() -> str:
 
 
 class ToolCallStream:
-    """One choice's output as a stream sends it: the text so far is parsed again at each delta (a call's
-    cost grows with the square of its length: the price of a result that cannot depend on how the text
-    was cut), and what is new since the last delta is sent: content, a call's index, id and name once,
-    then pieces of its arguments. At most `max_calls` calls (parallel_tool_calls false: 1)."""
+    """One choice's output as a stream sends it: read on at each delta, and what is new since the last delta
+    is sent: content, a call's index, id and name once, then pieces of its arguments. At most `max_calls` calls
+    (parallel_tool_calls false: 1). Each delta costs time in its own length, not the output's."""
 
-    def __init__(self, parse: Parser, max_calls: int | None) -> None:
-        self.parse, self.max_calls = parse, max_calls
+    def __init__(self, parser: Parser, max_calls: int | None) -> None:
+        self.reader, self.max_calls = parser(), max_calls
         self.text = ""
-        self.num_content_sent = 0
         self.num_arguments_sent: list[int] = []  # per call: characters of its arguments sent
-        self.calls: list[ToolCall] = []          # the calls so far, as last parsed
+        self.num_done = 0                        # the calls before it are settled and sent whole
 
-    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
-        """The new content and the tool_calls deltas, after `text` (the output's next piece)."""
-        self.text += text
-        parsed = self.parse(self.text, final)
-        self.calls = parsed.calls[:self.max_calls]
-        content = parsed.content[self.num_content_sent:]
-        self.num_content_sent = len(parsed.content)
+    def feed(self, delta: str, final: bool) -> tuple[str, list[dict]]:
+        """The new content and the tool_calls deltas, after `delta` (the output's next piece)."""
+        text, self.text = self.text, ""  # the one reference: `+=` grows the string in place, no copy per delta
+        text += delta
+        self.text = text
+        content = self.reader.read(text, final)
+        calls = self.reader.calls
+        num_calls = len(calls) if self.max_calls is None else min(len(calls), self.max_calls)
         deltas = []
-        for index, call in enumerate(self.calls):
+        for index in range(self.num_done, num_calls):
+            call = calls[index]
             if index == len(self.num_arguments_sent):
-                function = dict(name=call.name, arguments=call.arguments)
+                arguments = call.arguments(text)
+                function = dict(name=call.name, arguments=arguments)
                 deltas.append(dict(index=index, id=new_call_id(), type="function", function=function))
-                self.num_arguments_sent.append(len(call.arguments))
-            elif len(call.arguments) > self.num_arguments_sent[index]:
-                piece = call.arguments[self.num_arguments_sent[index]:]
+                self.num_arguments_sent.append(len(arguments))
+            elif piece := call.arguments(text, self.num_arguments_sent[index]):
                 deltas.append(dict(index=index, function=dict(arguments=piece)))
-                self.num_arguments_sent[index] = len(call.arguments)
+                self.num_arguments_sent[index] += len(piece)
+        self.num_done = max(self.num_done, min(len(calls) - 1, num_calls))  # a reader changes only its last call
         return content, deltas
+
+    def tool_calls(self) -> list[ToolCall]:
+        """The calls so far, whole (at the end of the output: its finish_reason depends on them)."""
+        return [call.tool_call(self.text) for call in self.reader.calls[:self.max_calls]]
