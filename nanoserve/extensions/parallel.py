@@ -11,7 +11,6 @@ import contextlib
 import signal
 import traceback
 import weakref
-from dataclasses import fields
 
 import torch
 import torch.distributed as dist
@@ -125,7 +124,7 @@ class Workers:
         where tensors would each go through a shared-memory file (milliseconds a step)."""
         if not self.processes:
             raise RuntimeError("the tensor-parallel workers are stopped (closed, or after an error): create a new LLM")
-        values = {f.name: getattr(batch, f.name) for f in fields(batch)}
+        values = vars(batch)  # the dataclass's fields by name
         tensors = {name: value.cpu().numpy() for name, value in values.items() if isinstance(value, torch.Tensor)}
         for pipe in self.pipes:
             pipe.send((tensors, {name: value for name, value in values.items() if name not in tensors}))
