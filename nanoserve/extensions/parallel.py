@@ -29,7 +29,7 @@ class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: starts the workers, joins their group, loads shard 0, and runs each step's
     Batch after sending it to the workers. Any failure stops every rank (they are out of step)."""
 
-    def __init__(self, config: Config, device: torch.device, max_model_len: int, seams: Seams = Seams()) -> None:
+    def __init__(self, config: Config, device: torch.device, max_model_len: int, seams: Seams) -> None:
         shard = Shard(0, config.tensor_parallel_size)
         self.workers = Workers(config, max_model_len, device, seams.weight_transform)
         # at close(), or once this runner is garbage (an LLM dropped without close()); only once
@@ -156,7 +156,7 @@ class Workers:
 
 
 def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: object,
-               device: torch.device, num_threads: int, weight_transform: WeightTransform | None = None) -> None:
+               device: torch.device, num_threads: int, weight_transform: WeightTransform | None) -> None:
     """A worker's life: join the group, load its shard, then run every Batch rank 0 sends until
     None. Anything raised goes back to rank 0 over the pipe; the exit closes its sockets, which
     fails rank 0's collective at once."""
