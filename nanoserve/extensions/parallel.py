@@ -22,7 +22,7 @@ from nanoserve.distributed import TIMEOUT, Shard, join_group, rank_device
 from nanoserve.model_runner import ModelRunner
 from nanoserve.sampler import SamplerOutput
 from nanoserve.seams import Seams, WeightTransform
-from nanoserve.sequence import Sequence
+from nanoserve.sequence import ScheduledSeq
 
 
 class TensorParallelRunner(ModelRunner):
@@ -43,7 +43,7 @@ class TensorParallelRunner(ModelRunner):
             self.stop_workers_after(error)
             raise
 
-    def run(self, batch: Batch, scheduled: list[tuple[Sequence, int]]) -> SamplerOutput:
+    def run(self, batch: Batch, scheduled: list[ScheduledSeq]) -> SamplerOutput:
         """The workers get the batch and run theirs alongside rank 0's."""
         try:
             self.workers.send(batch)
