@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from nanoserve import DEFAULT_MODEL, LLM, LLMEngine, RequestOutput, SamplingParams, StepResult
-from nanoserve.trace import format_step
+from nanoserve.entrypoints.trace import format_step
 
 OPENING = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
 GREEDY = SamplingParams(temperature=0, max_tokens=40)

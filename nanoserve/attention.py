@@ -149,7 +149,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: Attention
     copied out of the cache once (whole blocks) and read once by SDPA."""
     if q.shape[0] == 1 and plan.decode_groups:  # one request decoding (the latency case): its
         return attend_decode_group(q, k_cache, v_cache, plan.decode_groups[0], scale)  # rows are the output
-    out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])  # [N, H, D]
+    out = q.new_zeros(q.shape)  # [N, H, D]
     for group in plan.decode_groups:
         q_group = q.index_select(0, group.rows)  # [R, H, D]
         out.index_copy_(0, group.rows, attend_decode_group(q_group, k_cache, v_cache, group, scale))
@@ -233,11 +233,12 @@ def select_attention(name: str, block_size: int | str, device: torch.device, dty
         raise ValueError(f"unknown attention backend {name!r}; choose 'auto', 'torch', 'flash' or 'triton'")
     why_not = "attention_backend='torch'" if name == "torch" else why_not_flash(device, dtype, head_dim)
     block_size = (16 if why_not else 256) if block_size == "auto" else block_size
-    if name == "flash" and (why_not or block_size % 256):
+    if block_size % 256:
         why_not = why_not or f"block_size={block_size} is not a multiple of 256 (a flash-attn page)"
+    if name == "flash" and why_not:
         raise ValueError(f"the flash attention backend cannot run here: {why_not}")
     # flash where it runs; else the triton kernel on CUDA, the torch backend elsewhere (triton_backend.py)
-    return choose_backend(name, device, dtype, flash_runs=not (why_not or block_size % 256)), block_size
+    return choose_backend(name, device, dtype, flash_runs=why_not is None), block_size
 
 
 def why_not_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from nanoserve.device import upload
-from nanoserve.sequence import Sequence
+from nanoserve.sequence import ScheduledSeq, Sequence
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def sampling_rows(seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
     return [seq for seq, _ in rows], [seq.num_tokens - seq.num_prompt_tokens + j for seq, j in rows]
 
 
-def prompt_logprob_positions(scheduled: list[tuple[Sequence, int]]) -> list[range]:
+def prompt_logprob_positions(scheduled: list[ScheduledSeq]) -> list[range]:
     """For each scheduled request, the positions of its tokens in this step whose logits give a prompt
     logprob: position p predicts prompt token p + 1, up to the prompt's last token (whose logits sample).
     Positions whose row is known are skipped: a preempted request recomputes its prompt, and its
@@ -83,7 +83,7 @@ def prompt_logprob_positions(scheduled: list[tuple[Sequence, int]]) -> list[rang
     return found
 
 
-def build_batch(scheduled: list[tuple[Sequence, int]], block_size: int, device: torch.device) -> Batch:
+def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.device) -> Batch:
     """Flatten the scheduled requests' current tokens into one Batch. A pure function.
 
     Request r runs its tokens [num_computed_tokens, num_computed_tokens + num_new): a whole prompt,

@@ -37,7 +37,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from nanoserve.config import cdiv
-from nanoserve.sequence import Sequence
+from nanoserve.sequence import ScheduledSeq, Sequence
 
 
 @dataclass
@@ -164,7 +164,7 @@ class BlockManager:
             del self.cached_blocks[block.hash]
             block.hash = block.token_ids = block.parent = None
 
-    def assert_invariants(self, seqs: list[Sequence], scheduled: list[tuple[Sequence, int]] = ()) -> None:
+    def assert_invariants(self, seqs: list[Sequence], scheduled: list[ScheduledSeq] = ()) -> None:
         """Check the invariants above against `seqs`, all the live requests, and this step's plan
         `scheduled` if it has not run yet; raise AssertionError naming what broke. With no live
         request every block must be free: nothing leaked."""
@@ -196,7 +196,7 @@ class BlockManager:
             assert block.parent is None or self.blocks[block.parent].hash is not None, \
                 f"cached block {block_id} outlived its parent block {block.parent}"
 
-    def assert_writable(self, scheduled: list[tuple[Sequence, int]]) -> None:
+    def assert_writable(self, scheduled: list[ScheduledSeq]) -> None:
         """Check one step's plan: the slots each request writes, [num_computed_tokens,
         num_computed_tokens + num_new), lie in its blocks, and no block is written by two requests.
         Others may hold a block written now only if it is full after this step and they read it

@@ -82,10 +82,9 @@ def why_not_native_bf16(batched: bool = False) -> str | None:
     x86 = platform.machine().lower() in X86
     if not torch.backends.mkldnn.is_available():
         return "this torch is built without oneDNN"
-    if not has_onednn(torch.bfloat16) and x86:
-        return "oneDNN has no bf16 kernels for this CPU: they need AVX-512"
     if not has_onednn(torch.bfloat16):
-        return "this Arm CPU has no BF16 instructions"
+        return ("oneDNN has no bf16 kernels for this CPU: they need AVX-512" if x86 else
+                "this Arm CPU has no BF16 instructions")
     if not x86 or torch.cpu._is_amx_tile_supported():
         return None
     if not torch.cpu._is_avx512_bf16_supported():

@@ -18,7 +18,7 @@ from nanoserve.models import get_head_dim
 from nanoserve.models.loader import load_model, read_config
 from nanoserve.sampler import Logprob, SamplerOutput, SamplingParams, sample, top_logprobs
 from nanoserve.seams import Seams
-from nanoserve.sequence import Sequence
+from nanoserve.sequence import ScheduledSeq, Sequence
 from nanoserve.tokenizer import read_eos_token_ids
 
 
@@ -54,17 +54,18 @@ class ModelRunner:
         self.graphs = seams.executor.capture(self, max_model_len)
         self.eos_token_ids = read_eos_token_ids(config.model, hf_config)  # min_tokens bans them
 
-    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+    def allocate_kv_cache(self, num_blocks: int, device: torch.device | str | None = None) -> torch.Tensor:
         """[2 (k and v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]: flash-attn's paged
-        layout per layer (this rank's KV heads). Zeros, not empty: padding slots are read (and masked)."""
+        layout per layer (this rank's KV heads). Zeros, not empty: padding slots are read (and masked).
+        On this runner's device unless told; on "meta", its shape and size alone (no memory)."""
         m = self.model
         return torch.zeros(2, m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_dim,
-                           dtype=self.dtype, device=self.device)
+                           dtype=self.dtype, device=device or self.device)
 
     def bytes_per_block(self) -> int:
         """One block's KV bytes in this device's memory: this rank's, times the ranks sharing a CPU's RAM."""
-        m, ranks_here = self.model, self.shard.size if self.device.type == "cpu" else 1
-        return ranks_here * 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        ranks_here = self.shard.size if self.device.type == "cpu" else 1
+        return ranks_here * self.allocate_kv_cache(1, "meta").nbytes
 
     def size_kv_cache(self, config: Config, max_model_len: int) -> int:
         """How many blocks fit the memory budget: `gpu_memory_utilization` of the GPU less what is in use
@@ -88,18 +89,18 @@ class ModelRunner:
         logits, the sampler's [rows, vocab] copies) is what the KV cache must leave free, as vLLM and
         nano-vllm measure it. Every rank runs it: the forward's collectives need them all."""
         seq_len = min(config.max_num_batched_tokens, max_model_len)
-        seqs = [Sequence(str(i), None, [0] * seq_len, SamplingParams())
-                for i in range(min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))]
-        for seq in seqs:  # all in the same blocks of a throwaway cache (block 0 is the null block)
-            seq.block_table = list(range(1, 1 + cdiv(seq_len, self.block_size)))
-        batch = build_batch([(seq, seq_len) for seq in seqs], self.block_size, self.device)
+        seq = Sequence("warm-up", None, [0] * seq_len, SamplingParams())
+        seq.block_table = list(range(1, 1 + cdiv(seq_len, self.block_size)))  # a throwaway cache's (0: the null block)
+        # the same request, as many times as fit: a batch reads only their tokens and blocks, never who they are
+        num_seqs = min(config.max_num_batched_tokens // seq_len, config.max_num_seqs)
+        batch = build_batch([(seq, seq_len)] * num_seqs, self.block_size, self.device)
         self.model(batch, self.allocate_kv_cache(1 + cdiv(seq_len, self.block_size)))
         if self.shard.rank == 0:
             logits = torch.zeros(config.max_num_seqs, self.model.vocab_size, device=self.device)
             sample(logits, [SamplingParams(top_k=50, top_p=0.9)] * len(logits), [0] * len(logits))
 
     @torch.inference_mode()
-    def run(self, batch: Batch, scheduled: list[tuple[Sequence, int]]) -> SamplerOutput:
+    def run(self, batch: Batch, scheduled: list[ScheduledSeq]) -> SamplerOutput:
         """One forward pass over the flat batch, then one token for each request that samples now (and
         one per draft it verifies: spec_decode.py), with the logprobs asked for. A worker (no `scheduled`:
         rank 0 samples) returns nothing."""

@@ -48,9 +48,8 @@ from nanoserve.batch import prompt_logprob_positions
 from nanoserve.block_manager import BlockManager
 from nanoserve.config import Config, cdiv
 from nanoserve.sampler import Logprob, SamplerOutput
-from nanoserve.sequence import Sequence, SequenceStatus
+from nanoserve.sequence import ScheduledSeq, Sequence, SequenceStatus
 
-ScheduledSeq = tuple[Sequence, int]  # a request and how many of its tokens run this step
 Row = tuple[int, dict[int, Logprob] | None]  # a sampled token and its logprobs
 
 
@@ -120,14 +119,14 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         for seq in list(self.running):  # a copy: preempting removes the newest from self.running
-            if budget == 0 or seq in preempted:  # a victim already: so are all requests newer than it
+            if budget == 0:
                 break
             # Make room: preempt the newest running requests until seq can write at least one more
             # token, or until seq itself was preempted (it was the newest left: no one after it runs).
             while self.block_manager.num_free_slots(seq) == 0 and seq not in preempted:
                 preempted.append(next(reversed(self.running)))
                 self.preempt(preempted[-1])
-            if seq in preempted:
+            if seq in preempted:  # just now, or as a victim of an older request: so are all requests newer than it
                 break
             # A prefill chunk shrinks to what seq's blocks and the free blocks hold (>= 1 token now).
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self.block_manager.num_free_slots(seq))

@@ -102,3 +102,6 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+
+
+ScheduledSeq = tuple[Sequence, int]  # a request and how many of its tokens run this step

@@ -18,7 +18,7 @@
 #
 # [The walkthrough](../docs/walkthrough.md) follows vLLM's example step by step: three prompts,
 # `block_size=4`, one prefill step, one decode step. Here nanoserve runs exactly that example, prints
-# each step's flat batch with `nanoserve.trace.format_step`, draws the KV cache with `plot_block_map`,
+# each step's flat batch with `nanoserve.entrypoints.trace.format_step`, draws the KV cache with `plot_block_map`,
 # and then goes one step further than the document: a request finishes, its blocks are freed, and a new
 # request joins mid-flight and takes them. That is continuous batching.
 #
@@ -35,7 +35,7 @@ import matplotlib.pyplot as plt
 
 from block_map import plot_block_map  # notebooks/block_map.py, beside this notebook
 from nanoserve import LLM, SamplingParams
-from nanoserve.trace import format_step
+from nanoserve.entrypoints.trace import format_step
 
 # %% [markdown]
 # ## The setup

@@ -42,7 +42,7 @@ import matplotlib.pyplot as plt
 from block_map import plot_block_map  # notebooks/block_map.py, beside this notebook
 from nanoserve import LLM, SamplingParams
 from nanoserve.block_manager import hash_block
-from nanoserve.trace import format_step
+from nanoserve.entrypoints.trace import format_step
 
 torch.set_num_threads(1)  # a small model: one thread is enough
 

@@ -24,7 +24,7 @@
 
 # %%
 from nanoserve import DEFAULT_MODEL, LLM, SamplingParams
-from nanoserve.trace import format_step
+from nanoserve.entrypoints.trace import format_step
 
 spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
 setup = dict(block_size=4, num_kvcache_blocks=12, max_model_len=32)

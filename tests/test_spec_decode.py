@@ -15,8 +15,8 @@ import conftest
 from conftest import build_tiny_llama, greedy
 from nanoserve import DEFAULT_MODEL, LLM, SamplingParams
 from nanoserve.config import cdiv
+from nanoserve.entrypoints.trace import format_step
 from nanoserve.extensions.spec_decode import propose_ngram
-from nanoserve.trace import format_step
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
         "disable_by_batch_size": 64}

@@ -11,7 +11,7 @@ import matplotlib
 
 from conftest import build_tiny_llama
 from nanoserve import LLM, SamplingParams
-from nanoserve.trace import format_step
+from nanoserve.entrypoints.trace import format_step
 
 matplotlib.use("Agg")  # headless: no display needed
 import matplotlib.pyplot as plt  # noqa: E402

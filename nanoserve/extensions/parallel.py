@@ -11,7 +11,6 @@ import contextlib
 import signal
 import traceback
 import weakref
-from dataclasses import fields
 
 import torch
 import torch.distributed as dist
@@ -23,14 +22,14 @@ from nanoserve.distributed import TIMEOUT, Shard, join_group, rank_device
 from nanoserve.model_runner import ModelRunner
 from nanoserve.sampler import SamplerOutput
 from nanoserve.seams import Seams, WeightTransform
-from nanoserve.sequence import Sequence
+from nanoserve.sequence import ScheduledSeq
 
 
 class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: starts the workers, joins their group, loads shard 0, and runs each step's
     Batch after sending it to the workers. Any failure stops every rank (they are out of step)."""
 
-    def __init__(self, config: Config, device: torch.device, max_model_len: int, seams: Seams = Seams()) -> None:
+    def __init__(self, config: Config, device: torch.device, max_model_len: int, seams: Seams) -> None:
         shard = Shard(0, config.tensor_parallel_size)
         self.workers = Workers(config, max_model_len, device, seams.weight_transform)
         # at close(), or once this runner is garbage (an LLM dropped without close()); only once
@@ -44,7 +43,7 @@ class TensorParallelRunner(ModelRunner):
             self.stop_workers_after(error)
             raise
 
-    def run(self, batch: Batch, scheduled: list[tuple[Sequence, int]]) -> SamplerOutput:
+    def run(self, batch: Batch, scheduled: list[ScheduledSeq]) -> SamplerOutput:
         """The workers get the batch and run theirs alongside rank 0's."""
         try:
             self.workers.send(batch)
@@ -125,7 +124,7 @@ class Workers:
         where tensors would each go through a shared-memory file (milliseconds a step)."""
         if not self.processes:
             raise RuntimeError("the tensor-parallel workers are stopped (closed, or after an error): create a new LLM")
-        values = {f.name: getattr(batch, f.name) for f in fields(batch)}
+        values = vars(batch)  # the dataclass's fields by name
         tensors = {name: value.cpu().numpy() for name, value in values.items() if isinstance(value, torch.Tensor)}
         for pipe in self.pipes:
             pipe.send((tensors, {name: value for name, value in values.items() if name not in tensors}))
@@ -157,7 +156,7 @@ class Workers:
 
 
 def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: object,
-               device: torch.device, num_threads: int, weight_transform: WeightTransform | None = None) -> None:
+               device: torch.device, num_threads: int, weight_transform: WeightTransform | None) -> None:
     """A worker's life: join the group, load its shard, then run every Batch rank 0 sends until
     None. Anything raised goes back to rank 0 over the pipe; the exit closes its sockets, which
     fails rank 0's collective at once."""

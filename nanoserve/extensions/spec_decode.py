@@ -31,13 +31,12 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from nanoserve.config import SpeculativeConfig
-from nanoserve.sampler import Logprob
 from nanoserve.sampling_params import uses_processors
 from nanoserve.sequence import Sequence
 
 if TYPE_CHECKING:
     from nanoserve.block_manager import BlockManager
-    from nanoserve.scheduler import ScheduledSeq, Scheduler
+    from nanoserve.scheduler import Row, ScheduledSeq, Scheduler
 
 def propose_ngram(token_ids: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
     """k tokens that followed the most recent earlier occurrence of the last n tokens, for the longest n from
@@ -108,8 +107,7 @@ class Speculator:
             planned.append((seq, num_new))
         return planned
 
-    def accept(self, seq: Sequence, rows: list[tuple[int, dict[int, Logprob] | None]],
-               block_manager: BlockManager) -> list[tuple[int, dict[int, Logprob] | None]]:
+    def accept(self, seq: Sequence, rows: list[Row], block_manager: BlockManager) -> list[Row]:
         """After the step verified seq's drafts with its 1 + k sampled rows (token, logprobs): keep the drafts
         that equal their position's sample, roll back over the rest, and return the rows of the tokens kept:
         the accepted drafts and the sample after them, which the scheduler appends until a stop rule fires."""

@@ -113,8 +113,8 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of each row's scores
     row_sum = tl.zeros([BLOCK_M], tl.float32)                # running sum of exp(score - row_max)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)           # running sum of exp(score - row_max) * value
-    # the keys the tile's last query sees: no program reads past them
-    num_keys = tl.minimum(seq_len, context_len + tl.minimum(first + BLOCK_Q, q_end) - q_start)
+    # the keys the tile's last query sees (seq_len where that is the request's last): no program reads past them
+    num_keys = context_len + tl.minimum(first + BLOCK_Q, q_end) - q_start
     table = block_tables_ptr + b * block_table_stride
     for key_start in range(0, num_keys, TILE_N):
         keys = key_start + tl.arange(0, TILE_N)  # [TILE_N] positions in the request

@@ -129,7 +129,7 @@ def check_checkpoint(files: dict[str, Path], config: PretrainedConfig, used: set
         raise ValueError(f"checkpoint is missing tensor {missing[0]!r}, which our model reads")
 
 
-def read_tensor(files: dict[str, Path], name: str, dim: int | None, shard: Shard = Shard()) -> torch.Tensor:
+def read_tensor(files: dict[str, Path], name: str, dim: int | None, shard: Shard) -> torch.Tensor:
     """A checkpoint tensor, or only `shard`'s slice of it along `dim` (read from disk as a slice)."""
     with safe_open(files[name], framework="pt", device="cpu") as f:
         if shard.size == 1 or dim is None:
