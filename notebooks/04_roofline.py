@@ -41,6 +41,7 @@ import time
 
 import matplotlib.pyplot as plt
 import torch
+from transformers import AutoConfig
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.benchmarks.workload import build_default_model
@@ -62,7 +63,7 @@ MODEL = build_default_model(tempfile.mkdtemp())
 engine = LLM(MODEL, block_size=16, max_num_seqs=256, max_num_batched_tokens=4096, num_kvcache_blocks=600,
              max_model_len=512, enable_prefix_caching=False).engine
 model = engine.model_runner.model
-config = model.config
+config = AutoConfig.from_pretrained(MODEL)  # the checkpoint's config.json
 BYTES = engine.model_runner.dtype.itemsize
 # Weights every step reads whole: each layer's projections, and lm_head (the embedding is only
 # gathered, one row per token).
