@@ -26,12 +26,11 @@ def refuse(what: str) -> None:
     raise InvalidRequest("structured_outputs", f"structured_outputs {what}")
 
 
-def check_bounds(spec: dict[str, Any], max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH,
-                 max_quantifiers: int = MAX_QUANTIFIERS) -> None:
+def check_bounds(spec: dict[str, Any], max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH) -> None:
     """Before xgrammar sees a spec (StructuredOutputsParams' fields as given): at most `max_bytes` of text
     (the schema as JSON, the regex, the grammar, the choices together), `max_depth` levels of nesting (of
     the schema's objects and arrays, and of brackets in the regex, the grammar and every string of the schema),
-    at most `max_depth` quantifiers stacked on one atom and `max_quantifiers` in all (in the regex, the grammar
+    at most `max_depth` quantifiers stacked on one atom and MAX_QUANTIFIERS in all (in the regex, the grammar
     and the schema's patterns). Past any, an InvalidRequest."""
     texts = [spec[name] for name in ("regex", "grammar", "json") if isinstance(spec.get(name), str)]
     texts += [choice for choice in spec.get("choice") or () if isinstance(choice, str)]
@@ -51,8 +50,8 @@ def check_bounds(spec: dict[str, Any], max_bytes: int = MAX_BYTES, max_depth: in
     counts = [count_quantifiers(text) for text in patterns]
     if any(stacked > max_depth for _, stacked in counts):
         refuse(f"stacks over {max_depth} quantifiers on one atom (as a{{1}}{{1}}...), more than this server takes")
-    if sum(total for total, _ in counts) > max_quantifiers:
-        refuse(f"has over {max_quantifiers} quantifiers in its regex, grammar or patterns, more than this server takes")
+    if sum(total for total, _ in counts) > MAX_QUANTIFIERS:
+        refuse(f"has over {MAX_QUANTIFIERS} quantifiers in its regex, grammar or patterns, more than this server takes")
 
 
 def num_bytes(texts: list[str]) -> int:
