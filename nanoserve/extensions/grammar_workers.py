@@ -83,7 +83,7 @@ def serve(fd: int) -> None:
             return
         try:
             grammar = parse_grammar(job.spec)
-            conn.send(Compiled(None) if job.parse_only else Compiled(compile_checked(compiler, grammar, info)))
+            conn.send(Compiled(None if job.parse_only else compile_checked(compiler, grammar, info)))
         except InvalidRequest as error:
             conn.send(Refused(str(error)))
         except (RuntimeError, ValueError, TypeError, MemoryError) as error:  # xgrammar's, or out of memory
@@ -116,9 +116,9 @@ def limit_memory(num_bytes: int) -> None:
 class GrammarWorker:
     """One child process that parses and compiles grammars, one at a time (its owner is one thread)."""
 
-    def __init__(self, tokenizer_info_json: str, seconds: float = COMPILE_SECONDS,
-                 memory_bytes: int = MEMORY_BYTES) -> None:
-        self.tokenizer_info_json, self.seconds, self.memory_bytes = tokenizer_info_json, seconds, memory_bytes
+    def __init__(self, tokenizer_info_json: str, memory_bytes: int = MEMORY_BYTES) -> None:
+        self.tokenizer_info_json, self.memory_bytes = tokenizer_info_json, memory_bytes
+        self.seconds = COMPILE_SECONDS
         self.process: subprocess.Popen | None = None
         self.conn: Connection | None = None
         self.job: Job | None = None  # the job the child works on now
@@ -146,17 +146,13 @@ class GrammarWorker:
         self.start()
         self.conn.send(job)
         self.job = job
-        try:
-            return self.wait_for(job)
-        finally:
-            self.job = None
-
-    def wait_for(self, job: Job) -> str | None:
-        if not self.conn.poll(self.seconds):
+        answered = self.conn.poll(self.seconds)
+        reply = self.receive() if answered else None
+        self.job = None
+        if not answered:
             self.stop()
             raise InvalidRequest("structured_outputs", f"structured_outputs took over {self.seconds} s to compile, "
                                                        "this server's limit")
-        reply = self.receive()
         if reply is None:
             exit_code = self.process.wait()
             self.stop()
