@@ -14,6 +14,7 @@ the job's request gets an InvalidRequest naming structured_outputs.
 """
 from __future__ import annotations
 
+import json
 import os
 import resource
 import socket
@@ -68,7 +69,6 @@ def serve(fd: int) -> None:
     until the parent closes the socket."""
     import xgrammar as xgr
 
-    from nanoserve.extensions.structured_outputs import parse_grammar
     conn = Connection(fd)
     start = conn.recv()
     info = xgr.TokenizerInfo.deserialize_json(start.tokenizer_info_json)
@@ -88,6 +88,31 @@ def serve(fd: int) -> None:
             conn.send(Refused(str(error)))
         except (RuntimeError, ValueError, TypeError, MemoryError) as error:  # xgrammar's, or out of memory
             conn.send(Refused(f"structured_outputs cannot be compiled: {str(error)[:300]}"))
+
+
+def parse_grammar(spec: Any) -> Any:
+    """In a grammar worker's process, never the server's: the spec (a StructuredOutputsParams) as an xgrammar Grammar;
+    a spec xgrammar rejects is an InvalidRequest naming structured_outputs.
+    JSON has no free whitespace: a model that never saw JSON would pad it with spaces forever."""
+    try:  # imported here: it takes seconds, and only structured outputs need it
+        import xgrammar as xgr
+    except ImportError:
+        raise InvalidRequest("structured_outputs", "structured_outputs needs xgrammar: "
+                                                   "pip install 'nanoserve[structured]'") from None
+    try:
+        if spec.json is not None:
+            return xgr.Grammar.from_json_schema(spec.json, any_whitespace=False)
+        if spec.json_object:  # an object, as OpenAI's json_object promises (xgrammar's builtin JSON allows arrays)
+            return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False)
+        if spec.regex is not None:
+            return xgr.Grammar.from_regex(spec.regex)
+        if spec.choice is not None:  # a JSON string literal is an EBNF string literal too; not ASCII-escaped,
+            # which writes an emoji as a surrogate pair that xgrammar reads as two lone surrogates
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                  for c in spec.choice))
+        return xgr.Grammar.from_ebnf(spec.grammar)
+    except (RuntimeError, ValueError, TypeError) as error:  # xgrammar raises RuntimeError for a bad spec
+        raise InvalidRequest("structured_outputs", f"structured_outputs is not a valid grammar: {error}") from None
 
 
 def compile_checked(compiler: Any, grammar: Any, info: Any) -> str:

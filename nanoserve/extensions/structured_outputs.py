@@ -78,31 +78,6 @@ class StructuredOutputsParams(GrammarSpec):
         return json.dumps([spec, self.regex, self.choice, self.grammar, self.json_object], sort_keys=True)
 
 
-def parse_grammar(spec: StructuredOutputsParams) -> Any:
-    """In a grammar worker's process (grammar_workers.py), never the server's: the spec as an xgrammar Grammar;
-    a spec xgrammar rejects is an InvalidRequest naming structured_outputs.
-    JSON has no free whitespace: a model that never saw JSON would pad it with spaces forever."""
-    try:  # imported here: it takes seconds, and only structured outputs need it
-        import xgrammar as xgr
-    except ImportError:
-        raise InvalidRequest("structured_outputs", "structured_outputs needs xgrammar: "
-                                                   "pip install 'nanoserve[structured]'") from None
-    try:
-        if spec.json is not None:
-            return xgr.Grammar.from_json_schema(spec.json, any_whitespace=False)
-        if spec.json_object:  # an object, as OpenAI's json_object promises (xgrammar's builtin JSON allows arrays)
-            return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False)
-        if spec.regex is not None:
-            return xgr.Grammar.from_regex(spec.regex)
-        if spec.choice is not None:  # a JSON string literal is an EBNF string literal too; not ASCII-escaped,
-            # which writes an emoji as a surrogate pair that xgrammar reads as two lone surrogates
-            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
-                                                                  for c in spec.choice))
-        return xgr.Grammar.from_ebnf(spec.grammar)
-    except (RuntimeError, ValueError, TypeError) as error:  # xgrammar raises RuntimeError for a bad spec
-        raise InvalidRequest("structured_outputs", f"structured_outputs is not a valid grammar: {error}") from None
-
-
 class RequestGrammar:
     """One request's grammar: compiled in the background (`ready` once done), then a matcher that has
     accepted exactly the request's output tokens."""
