@@ -10,48 +10,52 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable
+from typing import Any
 
 from nanoserve.sampling_params import InvalidRequest
 
 MAX_BYTES = 64 * 1024  # of one spec's text: its schema as JSON, regex, grammar or choices together
 MAX_DEPTH = 64         # levels of nesting: of a schema, of brackets, of quantifiers stacked on one another
 MAX_QUANTIFIERS = 1024  # quantifiers in one spec's regex, grammar and patterns together (each a repetition to build)
-QUANTIFIER = re.compile(r"[*+?]|\{\d*,?\d*\}")  # *, +, ?, {n}, {n,}, {,m}, {n,m}
+# A regex read as atoms and quantifiers: an escaped character, a character class (up to its "]", escapes
+# included) and any other character are atoms; *, +, ?, {n}, {n,}, {,m}, {n,m} are quantifiers.
+REGEX_TOKEN = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]?|(?P<quantifier>[*+?]|\{\d*,?\d*\})|.", re.DOTALL)
 
 
-def check_bounds(spec: dict[str, Any], max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH,
-                 max_quantifiers: int = MAX_QUANTIFIERS) -> None:
+def refuse(what: str) -> None:
+    raise InvalidRequest("structured_outputs", f"structured_outputs {what}")
+
+
+def check_bounds(spec: dict[str, Any], max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH) -> None:
     """Before xgrammar sees a spec (StructuredOutputsParams' fields as given): at most `max_bytes` of text
     (the schema as JSON, the regex, the grammar, the choices together), `max_depth` levels of nesting (of
     the schema's objects and arrays, and of brackets in the regex, the grammar and every string of the schema),
-    at most `max_depth` quantifiers stacked on one atom and `max_quantifiers` in all (in the regex, the grammar
+    at most `max_depth` quantifiers stacked on one atom and MAX_QUANTIFIERS in all (in the regex, the grammar
     and the schema's patterns). Past any, an InvalidRequest."""
-    def refuse(what: str) -> None:
-        raise InvalidRequest("structured_outputs", f"structured_outputs {what}, more than this server takes")
     texts = [spec[name] for name in ("regex", "grammar", "json") if isinstance(spec.get(name), str)]
     texts += [choice for choice in spec.get("choice") or () if isinstance(choice, str)]
-    if sum(len(text.encode("utf-8", "surrogatepass")) for text in texts) > max_bytes:
-        refuse(f"has over {max_bytes} bytes")
+    if num_bytes(texts) > max_bytes:
+        refuse(f"has over {max_bytes} bytes, more than this server takes")
     patterns = [spec[name] for name in ("regex", "grammar") if isinstance(spec.get(name), str)]
-    schema = spec.get("json")
-    if isinstance(schema, str):
-        schema = read_json(schema)
+    nested = list(patterns)  # the texts whose brackets nest: the regex, the grammar, the schema's strings
+    schema = read_json(spec["json"]) if isinstance(spec.get("json"), str) else spec.get("json")
     if isinstance(schema, (dict, list)):
-        strings, schema_patterns = check_json_depth(schema, max_depth, refuse)
-        if sum(len(text.encode("utf-8", "surrogatepass")) for text in strings) > max_bytes:
-            refuse(f"has over {max_bytes} bytes")
-        if any(bracket_depth(text) > max_depth for text in strings):
-            refuse(f"nests brackets in a schema's string (a pattern) over {max_depth} deep")
+        strings, schema_patterns = walk_schema(schema, max_depth)
+        if num_bytes(strings) > max_bytes:
+            refuse(f"has over {max_bytes} bytes, more than this server takes")
+        nested += strings
         patterns += schema_patterns
-    for name in ("regex", "grammar"):
-        if isinstance(spec.get(name), str) and bracket_depth(spec[name]) > max_depth:
-            refuse(f"nests {name} brackets over {max_depth} deep")
+    if any(bracket_depth(text) > max_depth for text in nested):
+        refuse(f"nests brackets over {max_depth} deep, more than this server takes")
     counts = [count_quantifiers(text) for text in patterns]
     if any(stacked > max_depth for _, stacked in counts):
-        refuse(f"stacks over {max_depth} quantifiers on one atom (as a{{1}}{{1}}...)")
-    if sum(total for total, _ in counts) > max_quantifiers:
-        refuse(f"has over {max_quantifiers} quantifiers in its regex, grammar or patterns")
+        refuse(f"stacks over {max_depth} quantifiers on one atom (as a{{1}}{{1}}...), more than this server takes")
+    if sum(total for total, _ in counts) > MAX_QUANTIFIERS:
+        refuse(f"has over {MAX_QUANTIFIERS} quantifiers in its regex, grammar or patterns, more than this server takes")
+
+
+def num_bytes(texts: list[str]) -> int:
+    return sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
 
 
 def read_json(text: str) -> Any:
@@ -62,53 +66,49 @@ def read_json(text: str) -> Any:
         return None
 
 
-# Where a schema's members are not schemas: data (enum values, a const...) and maps of names to schemas.
+# Where a schema's members are not schemas: data (enum values, a const...), and maps and lists of schemas.
 DATA_KEYWORDS = {"enum", "const", "default", "examples"}
 SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+SCHEMA_LISTS = {"allOf", "anyOf", "oneOf", "prefixItems", "items"}
 
 
-def check_json_depth(value: dict | list, max_depth: int, refuse: Callable[[str], None]) -> tuple[list[str], list[str]]:
+def walk_schema(schema: dict | list, max_depth: int) -> tuple[list[str], list[str]]:
     """Walk a JSON schema without recursion (it may be nested a thousand deep); refuse past max_depth levels, and
-    each schema in it that no output can satisfy (`check_keywords`). Returns its strings, keys included, and of
-    those its patterns (a `pattern`'s value, `patternProperties`' keys)."""
+    each schema in it that no output can satisfy (`check_keywords`). Returns its strings, keys included, and its
+    patterns (a `pattern`'s value, `patternProperties`' keys)."""
     strings: list[str] = []
     patterns: list[str] = []
-    stack = [(value, 1, "schema")]  # (value, depth, what it is: a schema, a map of schemas, a list of them, data)
+    stack = [(schema, 1, "schema")]  # (value, depth, what it is: a schema, a map or list of schemas, or data)
     while stack:
         value, depth, role = stack.pop()
         if depth > max_depth:
-            refuse(f"nests its schema over {max_depth} deep")
+            refuse(f"nests its schema over {max_depth} deep, more than this server takes")
         if role == "schema" and isinstance(value, dict):
             check_keywords(value)
-        items = list(value.items()) if isinstance(value, dict) else [(None, item) for item in value]
-        for key, item in items:
-            strings += [key] if isinstance(key, str) else []
+            patterns += [value["pattern"]] if isinstance(value.get("pattern"), str) else []
+            if isinstance(value.get("patternProperties"), dict):
+                patterns += [key for key in value["patternProperties"] if isinstance(key, str)]
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            strings += [text for text in (key, item) if isinstance(text, str)]
             if isinstance(item, (dict, list)):
                 stack.append((item, depth + 1, child_role(role, key, item)))
-            elif isinstance(item, str):
-                strings.append(item)
-                patterns += [item] if key == "pattern" and role == "schema" else []
-        if isinstance(value, dict) and role == "schema" and isinstance(value.get("patternProperties"), dict):
-            patterns += [key for key in value["patternProperties"] if isinstance(key, str)]
     return strings, patterns
 
 
-def child_role(role: str, key: str | None, item: dict | list) -> str:
-    """What a member of a schema, a map or a list is: a schema, a map of schemas, a list of schemas, or data."""
-    if role == "data" or role == "schema" and key in DATA_KEYWORDS:
+def child_role(role: str, key: Any, item: dict | list) -> str:
+    """What a member of a schema, of a map or list of schemas, or of data is: a schema, schemas, or data."""
+    if role != "schema":
+        return "data" if role == "data" else "schema"
+    if key in DATA_KEYWORDS:
         return "data"
-    if role == "schema" and key in SCHEMA_MAPS:
-        return "map"
-    if role == "schema" and isinstance(item, list):
-        return "list" if key in ("allOf", "anyOf", "oneOf", "prefixItems", "items") else "data"
-    return "schema"
+    if key in SCHEMA_MAPS or key in SCHEMA_LISTS and isinstance(item, list):
+        return "schemas"
+    return "data" if isinstance(item, list) else "schema"
 
 
 def check_keywords(schema: dict) -> None:
     """Refuse the keywords xgrammar ignores where ignoring them lets an output break the schema: `not`, an
     `allOf` of types that exclude one another, an empty `type`, a `$ref` outside the schema (InvalidRequest)."""
-    def refuse(what: str) -> None:
-        raise InvalidRequest("structured_outputs", f"structured_outputs {what}")
     if "not" in schema:
         refuse("uses the keyword not, which this server cannot enforce")
     if schema.get("type") == []:
@@ -131,13 +131,8 @@ def bracket_depth(text: str) -> int:
     """The deepest nesting of (, [ and { in text, an escaped one (after a backslash) not counted. An unmatched
     closing bracket never lowers it below 0: `)))(((` is 3 deep."""
     depth = deepest = 0
-    escaped = False
-    for char in text:
-        if escaped:
-            escaped = False
-        elif char == "\\":
-            escaped = True
-        elif char in "([{":
+    for char in re.sub(r"\\.", "", text, flags=re.DOTALL):  # escaped characters dropped
+        if char in "([{":
             depth += 1
             deepest = max(deepest, depth)
         elif char in ")]}":
@@ -149,23 +144,10 @@ def count_quantifiers(text: str) -> tuple[int, int]:
     """(the quantifiers in a regex, the longest run of them stacked on one atom). `a{1}{1}` stacks two: each
     nests the one before, as a bracket would. Escaped characters and character classes (`[*+?]`) are atoms."""
     total = stacked = longest = 0
-    position, escaped, in_class = 0, False, False
-    while position < len(text):
-        char, match = text[position], None
-        if escaped:  # an escaped character is an atom
-            escaped, stacked = False, 0
-        elif char == "\\":
-            escaped = True
-        elif in_class:  # up to its "]", a character class is one atom
-            in_class = char != "]"
-        elif char == "[":
-            in_class, stacked = True, 0
-        elif match := QUANTIFIER.match(text, position):
+    for token in REGEX_TOKEN.finditer(text):
+        if token["quantifier"]:
             total, stacked = total + 1, stacked + 1
             longest = max(longest, stacked)
-            position = match.end()
-            continue
         else:
             stacked = 0
-        position += 1
     return total, longest

@@ -14,6 +14,7 @@ the job's request gets an InvalidRequest naming structured_outputs.
 """
 from __future__ import annotations
 
+import json
 import os
 import resource
 import socket
@@ -68,7 +69,6 @@ def serve(fd: int) -> None:
     until the parent closes the socket."""
     import xgrammar as xgr
 
-    from nanoserve.extensions.structured_outputs import parse_grammar
     conn = Connection(fd)
     start = conn.recv()
     info = xgr.TokenizerInfo.deserialize_json(start.tokenizer_info_json)
@@ -83,11 +83,36 @@ def serve(fd: int) -> None:
             return
         try:
             grammar = parse_grammar(job.spec)
-            conn.send(Compiled(None) if job.parse_only else Compiled(compile_checked(compiler, grammar, info)))
+            conn.send(Compiled(None if job.parse_only else compile_checked(compiler, grammar, info)))
         except InvalidRequest as error:
             conn.send(Refused(str(error)))
         except (RuntimeError, ValueError, TypeError, MemoryError) as error:  # xgrammar's, or out of memory
             conn.send(Refused(f"structured_outputs cannot be compiled: {str(error)[:300]}"))
+
+
+def parse_grammar(spec: Any) -> Any:
+    """In a grammar worker's process, never the server's: the spec (a StructuredOutputsParams) as an xgrammar Grammar;
+    a spec xgrammar rejects is an InvalidRequest naming structured_outputs.
+    JSON has no free whitespace: a model that never saw JSON would pad it with spaces forever."""
+    try:  # imported here: it takes seconds, and only structured outputs need it
+        import xgrammar as xgr
+    except ImportError:
+        raise InvalidRequest("structured_outputs", "structured_outputs needs xgrammar: "
+                                                   "pip install 'nanoserve[structured]'") from None
+    try:
+        if spec.json is not None:
+            return xgr.Grammar.from_json_schema(spec.json, any_whitespace=False)
+        if spec.json_object:  # an object, as OpenAI's json_object promises (xgrammar's builtin JSON allows arrays)
+            return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False)
+        if spec.regex is not None:
+            return xgr.Grammar.from_regex(spec.regex)
+        if spec.choice is not None:  # a JSON string literal is an EBNF string literal too; not ASCII-escaped,
+            # which writes an emoji as a surrogate pair that xgrammar reads as two lone surrogates
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                  for c in spec.choice))
+        return xgr.Grammar.from_ebnf(spec.grammar)
+    except (RuntimeError, ValueError, TypeError) as error:  # xgrammar raises RuntimeError for a bad spec
+        raise InvalidRequest("structured_outputs", f"structured_outputs is not a valid grammar: {error}") from None
 
 
 def compile_checked(compiler: Any, grammar: Any, info: Any) -> str:
@@ -116,9 +141,9 @@ def limit_memory(num_bytes: int) -> None:
 class GrammarWorker:
     """One child process that parses and compiles grammars, one at a time (its owner is one thread)."""
 
-    def __init__(self, tokenizer_info_json: str, seconds: float = COMPILE_SECONDS,
-                 memory_bytes: int = MEMORY_BYTES) -> None:
-        self.tokenizer_info_json, self.seconds, self.memory_bytes = tokenizer_info_json, seconds, memory_bytes
+    def __init__(self, tokenizer_info_json: str, memory_bytes: int = MEMORY_BYTES) -> None:
+        self.tokenizer_info_json, self.memory_bytes = tokenizer_info_json, memory_bytes
+        self.seconds = COMPILE_SECONDS
         self.process: subprocess.Popen | None = None
         self.conn: Connection | None = None
         self.job: Job | None = None  # the job the child works on now
@@ -146,17 +171,13 @@ class GrammarWorker:
         self.start()
         self.conn.send(job)
         self.job = job
-        try:
-            return self.wait_for(job)
-        finally:
-            self.job = None
-
-    def wait_for(self, job: Job) -> str | None:
-        if not self.conn.poll(self.seconds):
+        answered = self.conn.poll(self.seconds)
+        reply = self.receive() if answered else None
+        self.job = None
+        if not answered:
             self.stop()
             raise InvalidRequest("structured_outputs", f"structured_outputs took over {self.seconds} s to compile, "
                                                        "this server's limit")
-        reply = self.receive()
         if reply is None:
             exit_code = self.process.wait()
             self.stop()

@@ -41,8 +41,9 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: se
             seq.error = seq.error or error
     apply_penalties(logits, seqs)
     fail_banned_rows(logits, seqs)
-    for row in [row for row, seq in enumerate(seqs) if seq.error is not None]:
-        logits[row] = 0
+    for row, seq in enumerate(seqs):
+        if seq.error is not None:
+            logits[row] = 0
     return logits
 
 
@@ -61,11 +62,9 @@ def fail_banned_rows(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Fail each request whose row allows no token (all -inf): its grammar's language is empty, or the grammar
     must end before min_tokens. (The sampler would pick token 0, which the grammar then refuses.)"""
     rows = [row for row, seq in enumerate(seqs) if uses_processors(seq.params) and seq.error is None]
-    if not rows:
-        return
     banned = torch.isneginf(logits[rows]).all(dim=1).tolist()  # [R]
-    for row in [row for row, is_banned in zip(rows, banned) if is_banned]:
-        seq, num_output = seqs[row], seqs[row].num_tokens - seqs[row].num_prompt_tokens
+    for seq in [seqs[row] for row, is_banned in zip(rows, banned) if is_banned]:
+        num_output = seq.num_tokens - seq.num_prompt_tokens
         if seq.grammar is None:
             seq.error = InvalidRequest("stop_token_ids", "every token is a stop token, banned until min_tokens")
         elif num_output < seq.params.min_tokens:

@@ -25,14 +25,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Collection
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from nanoserve.extensions.grammar_bounds import MAX_BYTES, MAX_DEPTH, check_bounds
-from nanoserve.extensions.grammar_workers import COMPILE_SECONDS, MEMORY_BYTES, GrammarWorker, Job
+from nanoserve.extensions.grammar_bounds import MAX_BYTES, MAX_DEPTH, check_bounds, read_json
+from nanoserve.extensions.grammar_workers import MEMORY_BYTES, GrammarWorker, Job
 from nanoserve.sampling_params import GrammarSpec, InvalidRequest, require
 
 if TYPE_CHECKING:
@@ -60,11 +60,12 @@ class StructuredOutputsParams(GrammarSpec):
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
                  if getattr(self, name) not in (None, False)]
         require(len(given) == 1, "structured_outputs", given, "one of json, regex, choice, grammar, json_object")
-        require(self.json is None or isinstance(self.json, dict) or is_json(self.json), "structured_outputs",
-                self.json, "a json schema as a dict or a str of JSON")
+        schema_text = isinstance(self.json, str) and isinstance(read_json(self.json), (dict, bool))
+        require(self.json is None or isinstance(self.json, dict) or schema_text, "structured_outputs", self.json,
+                "a json schema as a dict or a str of JSON")
         for name in ("regex", "grammar"):
-            require(getattr(self, name) is None or isinstance(getattr(self, name), str), "structured_outputs",
-                    getattr(self, name), f"a str {name}")
+            value = getattr(self, name)
+            require(value is None or isinstance(value, str), "structured_outputs", value, f"a str {name}")
         if self.choice is not None:
             require(isinstance(self.choice, (list, tuple)) and all(isinstance(c, str) for c in self.choice),
                     "structured_outputs", self.choice, "a choice given as a list of strs")
@@ -75,42 +76,6 @@ class StructuredOutputsParams(GrammarSpec):
         """The spec as one string: the cache's key."""
         spec = json.loads(self.json) if isinstance(self.json, str) else self.json
         return json.dumps([spec, self.regex, self.choice, self.grammar, self.json_object], sort_keys=True)
-
-    def as_dict(self) -> dict[str, Any]:
-        """The spec's fields by name, as check_bounds reads them."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-def is_json(text: object) -> bool:
-    try:
-        return isinstance(text, str) and isinstance(json.loads(text), (dict, bool))
-    except (ValueError, RecursionError):  # nested past Python's recursion limit: no schema
-        return False
-
-
-def parse_grammar(spec: StructuredOutputsParams) -> Any:
-    """In a grammar worker's process (grammar_workers.py), never the server's: the spec as an xgrammar Grammar;
-    a spec xgrammar rejects is an InvalidRequest naming structured_outputs.
-    JSON has no free whitespace: a model that never saw JSON would pad it with spaces forever."""
-    try:  # imported here: it takes seconds, and only structured outputs need it
-        import xgrammar as xgr
-    except ImportError:
-        raise InvalidRequest("structured_outputs", "structured_outputs needs xgrammar: "
-                                                   "pip install 'nanoserve[structured]'") from None
-    try:
-        if spec.json is not None:
-            return xgr.Grammar.from_json_schema(spec.json, any_whitespace=False)
-        if spec.json_object:  # an object, as OpenAI's json_object promises (xgrammar's builtin JSON allows arrays)
-            return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False)
-        if spec.regex is not None:
-            return xgr.Grammar.from_regex(spec.regex)
-        if spec.choice is not None:  # a JSON string literal is an EBNF string literal too; not ASCII-escaped,
-            # which writes an emoji as a surrogate pair that xgrammar reads as two lone surrogates
-            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
-                                                                  for c in spec.choice))
-        return xgr.Grammar.from_ebnf(spec.grammar)
-    except (RuntimeError, ValueError, TypeError) as error:  # xgrammar raises RuntimeError for a bad spec
-        raise InvalidRequest("structured_outputs", f"structured_outputs is not a valid grammar: {error}") from None
 
 
 class RequestGrammar:
@@ -126,10 +91,6 @@ class RequestGrammar:
         """Compiled: the request may run (the scheduler checks). A failed compile is never ready (`poll` ends
         its request)."""
         return self.compiled.done() and failure(self.compiled) is None
-
-    @property
-    def compiling(self) -> bool:
-        return not self.compiled.done()
 
     def start(self) -> Any:
         if self.matcher is None:
@@ -161,13 +122,12 @@ class GrammarCompiler:
     Thread-safe: a server's handlers submit grammars too and wait for the compile (`submit(..., waiting=True)`,
     then `leave`) before the request reaches the engine, whose add_request then finds it compiled in the
     cache; a compile that every waiter left before it started is cancelled. `max_bytes`, `max_depth`: the
-    bounds; `seconds`, `memory_bytes`: each worker's limits on one compile."""
+    bounds; `memory_bytes`: each worker's limit on one compile (its time limit: grammar_workers.py)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, eos_token_ids: set[int],
-                 max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH, seconds: float = COMPILE_SECONDS,
-                 memory_bytes: int = MEMORY_BYTES) -> None:
+                 max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH, memory_bytes: int = MEMORY_BYTES) -> None:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
-        self.max_bytes, self.max_depth, self.seconds, self.memory_bytes = max_bytes, max_depth, seconds, memory_bytes
+        self.max_bytes, self.max_depth, self.memory_bytes = max_bytes, max_depth, memory_bytes
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self.small_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-small")
         self.tokenizer_info: Any = None  # xgrammar's, made at the first compile (reading the vocabulary takes ~0.5 s)
@@ -187,11 +147,11 @@ class GrammarCompiler:
         request's grammar is compiling, wait until the first compile ends, but at most 0.1 s, so that a long one
         never keeps the engine's loop from new requests and aborts. Then fail, each alone and logged, the waiting
         requests whose grammar failed to compile (never `ready`: the scheduler never admits them)."""
-        compiling = [seq.grammar.compiled for seq in waiting if seq.grammar is not None and seq.grammar.compiling]
-        if idle and waiting and len(compiling) == len(waiting):
-            wait(compiling, 0.1, FIRST_COMPLETED)
-        for seq in [seq for seq in waiting if seq.grammar is not None and seq.grammar.compiled.done()]:
-            if error := failure(seq.grammar.compiled):
+        with_grammar = [seq for seq in waiting if seq.grammar is not None]
+        if idle and waiting and len(with_grammar) == len(waiting):  # returns at once if one compile has ended
+            wait([seq.grammar.compiled for seq in with_grammar], 0.1, FIRST_COMPLETED)
+        for seq in with_grammar:
+            if seq.grammar.compiled.done() and (error := failure(seq.grammar.compiled)):
                 logging.getLogger(__name__).error(f"grammar of request {seq.request_id!r} failed: {error!r}")
                 fail(seq, error)
 
@@ -215,13 +175,13 @@ class GrammarCompiler:
     def submit_parse(self, spec: StructuredOutputsParams) -> Future:
         """Parse spec, `check`ed before, in a worker, without compiling or caching it (a tool's schema that no
         grammar uses): the future's exception is the InvalidRequest of a spec xgrammar rejects."""
-        return self.lane(spec.key).submit(self.parse_now, spec)
+        return self.lane(spec.key).submit(lambda: self.worker().run(Job(spec, parse_only=True)))
 
     def check(self, spec: StructuredOutputsParams) -> None:
         """The spec within the bounds (grammar_bounds.py), else an InvalidRequest; its key then made (memoized)."""
         if self.tokenizer is None:
             raise InvalidRequest("structured_outputs", "structured_outputs needs the model's tokenizer")
-        check_bounds(spec.as_dict(), self.max_bytes, self.max_depth)
+        check_bounds(vars(spec), self.max_bytes, self.max_depth)  # its fields by name
         spec.key  # noqa: B018 (made here, where it costs no one a wait)
 
     def lane(self, key: str) -> ThreadPoolExecutor:
@@ -241,11 +201,10 @@ class GrammarCompiler:
     def evict(self) -> None:
         """Drop the least recently asked for grammars past CACHE_SIZE or past cache_bytes (the compiled ones'
         sizes: a 5,000-string enum takes ~75 MB). A request holding one keeps it until it ends."""
-        num_bytes = sum(f.result().memory_size_bytes for f in self.cache.values() if f.done() and not failure(f))
+        num_bytes = sum(map(num_bytes_of, self.cache.values()))
         while len(self.cache) > CACHE_SIZE or num_bytes > self.cache_bytes and len(self.cache) > 1:
             _, future = self.cache.popitem(last=False)
-            if future.done() and not failure(future):
-                num_bytes -= future.result().memory_size_bytes
+            num_bytes -= num_bytes_of(future)
 
     def worker(self) -> GrammarWorker:
         """In a compile thread: its worker process (made at its first grammar; the process starts at its first job)."""
@@ -256,8 +215,7 @@ class GrammarCompiler:
                                                                          stop_token_ids=self.eos_token_ids)
             name = threading.current_thread().name
             if name not in self.workers:
-                self.workers[name] = GrammarWorker(self.tokenizer_info.serialize_json(), self.seconds,
-                                                   self.memory_bytes)
+                self.workers[name] = GrammarWorker(self.tokenizer_info.serialize_json(), self.memory_bytes)
             return self.workers[name]
 
     def start_workers(self) -> list[Future]:
@@ -274,10 +232,6 @@ class GrammarCompiler:
         grammar_json = self.worker().run(Job(spec))
         return xgr.CompiledGrammar.deserialize_json(grammar_json, self.tokenizer_info)
 
-    def parse_now(self, spec: StructuredOutputsParams) -> None:
-        """In a compile thread: spec parsed by its worker process (an InvalidRequest if xgrammar rejects it)."""
-        self.worker().run(Job(spec, parse_only=True))
-
     def close(self) -> None:
         """Stop the worker processes (they also end when this process does)."""
         with self.lock:
@@ -288,6 +242,11 @@ class GrammarCompiler:
 def failure(future: Future) -> BaseException | None:
     """A done future's exception: CancelledError if it was cancelled (Future.exception would raise it)."""
     return CancelledError() if future.cancelled() else future.exception()
+
+
+def num_bytes_of(future: Future) -> int:
+    """A compiled grammar's size (xgrammar's memory_size_bytes); 0 while it compiles, or if it failed."""
+    return future.result().memory_size_bytes if future.done() and failure(future) is None else 0
 
 
 def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
