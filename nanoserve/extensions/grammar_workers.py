@@ -7,7 +7,7 @@ threads; and unlike multiprocessing's spawn, it never re-runs the caller's scrip
 `if __name__ == "__main__"` would not survive), started at its owner's first grammar, so a process that serves
 no grammar never starts one. Parent and child talk over a socket pair, one message at a time, each a class:
     parent: Start(tokenizer_info_json, memory_bytes)  ->  child: Ready
-    parent: Job(spec, parse_only)  ->  child: Compiled(grammar_json) | Refused(message)
+    parent: Job(spec)  ->  child: Compiled(grammar_json) | Refused(message)
 the compiled grammar as xgrammar's own JSON (`CompiledGrammar.serialize_json`), read back against the parent's
 TokenizerInfo. A child that dies (its pipe ends) or answers past `seconds` is killed and replaced at the next job;
 the job's request gets an InvalidRequest naming structured_outputs.
@@ -42,9 +42,8 @@ class Start:
 
 @dataclass(frozen=True)
 class Job:
-    """Parse spec (a StructuredOutputsParams) and, unless parse_only, compile it."""
+    """Parse spec (a StructuredOutputsParams) and compile it."""
     spec: Any
-    parse_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,8 +53,8 @@ class Ready:
 
 @dataclass(frozen=True)
 class Compiled:
-    """The compiled grammar as xgrammar's JSON; None for a parse_only job."""
-    grammar_json: str | None
+    """The compiled grammar as xgrammar's JSON."""
+    grammar_json: str
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,7 @@ def serve(fd: int) -> None:
             return
         try:
             grammar = parse_grammar(job.spec)
-            conn.send(Compiled(None if job.parse_only else compile_checked(compiler, grammar, info)))
+            conn.send(Compiled(compile_checked(compiler, grammar, info)))
         except InvalidRequest as error:
             conn.send(Refused(str(error)))
         except (RuntimeError, ValueError, TypeError, MemoryError) as error:  # xgrammar's, or out of memory
@@ -165,8 +164,8 @@ class GrammarWorker:
             self.stop()
             raise RuntimeError("the grammar worker process did not start")
 
-    def run(self, job: Job) -> str | None:
-        """The job's compiled grammar JSON (None if parse_only); an InvalidRequest if the child refused the spec,
+    def run(self, job: Job) -> str:
+        """The job's compiled grammar JSON; an InvalidRequest if the child refused the spec,
         died on it (then it is replaced at the next job) or ran past `seconds` (then it is killed)."""
         self.start()
         self.conn.send(job)

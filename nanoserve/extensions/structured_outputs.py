@@ -172,11 +172,6 @@ class GrammarCompiler:
                 self.waiters[key] = self.waiters.get(key, 0) + 1
             return self.cache[key]
 
-    def submit_parse(self, spec: StructuredOutputsParams) -> Future:
-        """Parse spec, `check`ed before, in a worker, without compiling or caching it (a tool's schema that no
-        grammar uses): the future's exception is the InvalidRequest of a spec xgrammar rejects."""
-        return self.lane(spec.key).submit(lambda: self.worker().run(Job(spec, parse_only=True)))
-
     def check(self, spec: StructuredOutputsParams) -> None:
         """The spec within the bounds (grammar_bounds.py), else an InvalidRequest; its key then made (memoized)."""
         if self.tokenizer is None:
