@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config, Qwen3Config
 
 from nanoserve import SamplingParams
 
@@ -59,17 +59,17 @@ MODELS = {
 }
 
 
-def build_tiny_model(path: str, family: str = "llama", seed: int = 0, old_style_rope: bool = False,
-                     **overrides) -> str:
-    """Save a random model of `family` (FAMILIES) to `path`. Biases (Qwen2's q, k, v), which transformers
-    starts at zero, are drawn at random too (`randomize_extras`): a bias lost or misplaced must change the
-    tokens. With
-    old_style_rope the config.json carries `rope_scaling` + `rope_theta` as real Llama 3 checkpoints do,
-    instead of v5's rope_parameters."""
+def save_tiny_model(path: str | os.PathLike, family: str = "llama", seed: int = 0, old_style_rope: bool = False,
+                    max_shard_size: str | None = None, **overrides) -> PreTrainedModel:
+    """The one tiny-model builder: save a random model of `family` (FAMILIES) to `path`, TINY's sizes unless
+    `overrides` say otherwise, and return it (the transformers reference). Biases (Qwen2's q, k, v), which
+    transformers starts at zero, are drawn at random too (`randomize_extras`): a bias lost or misplaced must
+    change the tokens. With old_style_rope the config.json carries `rope_scaling` + `rope_theta` as real
+    Llama 3 checkpoints do, instead of v5's rope_parameters; max_shard_size splits the weights into files."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(FAMILIES[family](**{**TINY, **overrides}))
+    model = AutoModelForCausalLM.from_config(FAMILIES[family](**{**TINY, **overrides})).eval()
     randomize_extras(model)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if old_style_rope:
         config_file = os.path.join(path, "config.json")
         config = json.load(open(config_file))
@@ -77,6 +77,12 @@ def build_tiny_model(path: str, family: str = "llama", seed: int = 0, old_style_
         config["rope_theta"] = rope.pop("rope_theta")
         config["rope_scaling"] = rope
         json.dump(config, open(config_file, "w"))
+    return model
+
+
+def build_tiny_model(path: str, family: str = "llama", **kwargs) -> str:
+    """save_tiny_model, returning the folder (what LLM() takes)."""
+    save_tiny_model(path, family, **kwargs)
     return path
 
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig, PreTrainedModel, Qwen2Config, Qwen3Config
+from transformers import GPT2Config, MistralConfig, PreTrainedModel, Qwen2Config, Qwen3Config
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from conftest import FAMILIES, build_tiny_model, randomize_extras
+from conftest import FAMILIES, build_tiny_model, save_tiny_model
 from nanoserve import LLM, device
 from nanoserve.batch import Batch
 from nanoserve.device import resolve_dtype
@@ -41,20 +41,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 
-def save_model(path: Path, max_shard_size: str | None = None, family: str = "llama",
-               **overrides: object) -> PreTrainedModel:
-    """Save a random tiny model of `family` to `path` and return it, as the reference: hidden 64, 2 layers,
-    4 query heads sharing 2 kv heads (GQA), head_dim 16 (Qwen3: its config's 128), vocab 256; biases
-    (Qwen2's) and q/k norms (Qwen3's) random too."""
-    fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, vocab_size=256, max_position_embeddings=128,
-                  initializer_range=0.2, rms_norm_eps=1e-5)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(FAMILIES[family](**(fields | overrides))).eval()
-    randomize_extras(model)
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(path, **kwargs)
-    return model
+def save_model(path: Path, **overrides: object) -> PreTrainedModel:
+    """conftest's tiny model, with weights drawn at initializer_range 0.2 (see above) and hidden 64, 2 layers,
+    4 query heads sharing 2 kv heads (GQA), head_dim 16 (Qwen3: its config's 128), vocab 256."""
+    return save_tiny_model(path, **{"initializer_range": 0.2, **overrides})
 
 
 def make_batch(prompts: list[list[int]], cached: list[int] | None = None) -> Batch:
