@@ -52,13 +52,14 @@ def resolve_dtype(name: str, device: torch.device, model: str | None = None) -> 
     if dtype != torch.bfloat16 or device.type != "cpu":
         return dtype
     why_not = why_not_native_bf16(batched=name == "auto")
-    if why_not is not None and name == "auto":
+    if why_not is None:
+        return dtype
+    if name == "auto":
         logging.getLogger(__name__).warning(f"dtype='auto': the checkpoint is bfloat16, but on this CPU bfloat16 "
                                             f"matmuls are slower than float32 ({why_not}): running in float32")
         return torch.float32
-    if why_not is not None:
-        warnings.warn(f"this CPU has no native bfloat16 matmuls ({why_not}): bfloat16 will be slow; float32 is "
-                      f"faster here", stacklevel=2)
+    warnings.warn(f"this CPU has no native bfloat16 matmuls ({why_not}): bfloat16 will be slow; float32 is "
+                  f"faster here", stacklevel=2)
     return dtype
 
 

@@ -103,13 +103,14 @@ def check_tensor_parallel(size: int, hf_config: PretrainedConfig, device: torch.
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         if (value := getattr(hf_config, name)) % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide the model's {name}={value}")
-    if size > 1 and dist.is_initialized():
-        gc.collect()  # an LLM dropped without close() leaves the group once it is collected
-    if size > 1 and dist.is_initialized():
-        raise ValueError("this process already has a torch.distributed process group (another LLM with "
-                         "tensor_parallel_size > 1 still open?): close() that one first")
-    if size > 1 and device.type not in ("cpu", "cuda"):
-        raise ValueError(f"tensor_parallel_size={size} runs on cpu (gloo) or cuda (NCCL), not {device.type}")
+    if size > 1:
+        if dist.is_initialized():
+            gc.collect()  # an LLM dropped without close() leaves the group once it is collected
+        if dist.is_initialized():
+            raise ValueError("this process already has a torch.distributed process group (another LLM with "
+                             "tensor_parallel_size > 1 still open?): close() that one first")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"tensor_parallel_size={size} runs on cpu (gloo) or cuda (NCCL), not {device.type}")
     if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={size} from {device} needs more CUDA devices than the "
                          f"{torch.cuda.device_count()} this machine has")

@@ -65,7 +65,8 @@ class SamplingParams:
                 "stop_token_ids", stop, "None or a list of ints >= 0")
         require(seed is None or is_int(seed), "seed", seed, "an int or None")
         require(is_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
-        for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
             require(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), name, value,
                     f"None or an int in [0, {MAX_LOGPROBS}]")
         strings = (self.stop,) if isinstance(self.stop, str) else self.stop

@@ -35,7 +35,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         weight = linear.weight.detach()  # [out, in], in the activation dtype
         scale = (weight.abs().amax(dim=1).float() / 127).to(weight.dtype)  # [out]
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        scale = scale.where(scale > 0, 1)
         # scale is rounded to dtype first, so q is the nearest int8 to W / the scale the kernel uses
         q = torch.round(weight.float() / scale.float()[:, None]).clamp(-127, 127)
         self.register_buffer("weight_int8", q.to(torch.int8))
@@ -61,10 +61,9 @@ def quantize_linears(model: nn.Module, quantization: str) -> nn.Module:
             "than with bfloat16 ones; dtype='bfloat16' is its fast pairing (docs/quantization.md)")
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
-            parent, _, leaf = name.rpartition(".")
             quantized = Int8Linear(module)
             check_kernel(quantized, module.weight)
-            setattr(model.get_submodule(parent), leaf, quantized)
+            model.set_submodule(name, quantized)
     return model
 
 

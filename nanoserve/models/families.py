@@ -42,7 +42,7 @@ MODELS: dict[str, Family] = {
 def describe(config: PretrainedConfig) -> Family:
     """The Family of a checkpoint: its architecture's row in MODELS, completed from its config.json.
     A ValueError names the supported architectures if its own is not one of them."""
-    architectures = getattr(config, "architectures", None) or []
+    architectures = config.architectures or []  # PretrainedConfig always has it (None by default)
     known = [name for name in architectures if name in MODELS]
     if not known:
         raise ValueError(f"unsupported architectures {architectures} (model_type {config.model_type!r}): "

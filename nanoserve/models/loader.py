@@ -102,7 +102,7 @@ def index_checkpoint(folder: Path) -> dict[str, Path]:
     names = {}
     for file in files:
         with safe_open(file, framework="pt") as f:  # reads only the header
-            names.update({name: file for name in f.keys()})
+            names |= dict.fromkeys(f.keys(), file)
     return names
 
 
@@ -114,17 +114,17 @@ def check_checkpoint(files: dict[str, Path], config: PretrainedConfig, used: set
     with torch.device("meta"):
         reference = AutoModelForCausalLM.from_config(config)
     for name, tensor in reference.state_dict().items():
-        shape = tuple(tensor.shape)
+        shape = list(tensor.shape)
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if name not in files:
-            raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
+            raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {shape})")
         if name not in used:  # e.g. a family with biases registered in MODELS without its flag
             raise ValueError(f"checkpoint tensor {name!r} has no parameter of ours to load into")
         with safe_open(files[name], framework="pt") as f:
             found = f.get_slice(name).get_shape()
-        if tuple(found) != shape:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {list(found)}, expected {list(shape)}")
+        if found != shape:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {found}, expected {shape}")
     if missing := sorted(used - files.keys()):  # e.g. a family without biases registered with a bias flag
         raise ValueError(f"checkpoint is missing tensor {missing[0]!r}, which our model reads")
 
