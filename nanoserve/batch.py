@@ -56,11 +56,12 @@ def samples_now(seq: Sequence, num_new: int) -> bool:
     return seq.num_computed_tokens + num_new >= seq.num_tokens
 
 
-def sampling_rows(seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
-    """The sampled rows of a step: 1 + k per request (its last token, then each of its k drafts, from
-    spec_decode.py; k = 0 without), with how many tokens the request has sampled before each, so that every
-    row samples as a step without drafts would."""
-    rows = [(seq, j) for seq in seqs for j in range(1 + len(seq.spec_token_ids))]
+def sampling_rows(scheduled: list[ScheduledSeq]) -> tuple[list[Sequence], list[int]]:
+    """The sampled rows of a step: 1 + k per request that samples now (its last token, then each of its k
+    drafts, from spec_decode.py; k = 0 without), with how many tokens the request has sampled before each,
+    so that every row samples as a step without drafts would."""
+    rows = [(seq, j) for seq, num_new in scheduled if samples_now(seq, num_new)
+            for j in range(1 + len(seq.spec_token_ids))]
     return [seq for seq, _ in rows], [seq.num_tokens - seq.num_prompt_tokens + j for seq, j in rows]
 
 

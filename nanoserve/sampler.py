@@ -84,13 +84,14 @@ def apply_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
 
 def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Zero the probabilities outside each row's top-k and top-p set; probs [S, vocab]."""
+    vocab = probs.shape[1]
     # A top_k beyond the vocabulary keeps everything (and would not fit a torch int64).
-    top_k = [min(p.top_k, probs.shape[1]) if p.top_k > 0 else probs.shape[1] for p in params]
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     top_p = [p.top_p for p in params]
-    if min(top_k) == probs.shape[1] and min(top_p) == 1.0:  # every row off: nothing to zero
+    if min(top_k) == vocab and min(top_p) == 1.0:  # every row off: nothing to zero
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)       # [S, vocab]
-    rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    rank = torch.arange(vocab, device=probs.device)[None, :]
     k = torch.tensor(top_k, device=probs.device)[:, None]
     p = torch.tensor(top_p, device=probs.device)[:, None]
     # Keep a token if it is among the top k and the mass before it is still below top_p of the top k's
