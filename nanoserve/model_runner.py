@@ -16,7 +16,7 @@ from nanoserve.device import free_memory, resolve_dtype
 from nanoserve.distributed import Shard, broadcast_from_rank0
 from nanoserve.models import get_head_dim
 from nanoserve.models.loader import load_model, read_config
-from nanoserve.sampler import Logprob, SamplerOutput, SamplingParams, sample, top_logprobs
+from nanoserve.sampler import SamplerOutput, SamplingParams, TokenLogprobs, sample, top_logprobs
 from nanoserve.seams import Seams
 from nanoserve.sequence import ScheduledSeq, Sequence
 from nanoserve.tokenizer import read_eos_token_ids
@@ -115,7 +115,7 @@ class ModelRunner:
         # penalties, grammars...: logits_processors.py (a request using them has no drafts: one row each)
         processed = self.logits_processor(sampling, seqs, self.eos_token_ids)
         token_ids = sample(processed, [s.params for s in seqs], num_generated)
-        logprobs: list[dict[int, Logprob] | None] = [None] * len(seqs)
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
         if rows:
             chosen = torch.tensor([token_ids[row] for row in rows], device=logits.device)

@@ -26,19 +26,23 @@ from nanoserve.sampling_params import (  # noqa: F401
 
 
 @dataclass(frozen=True)
-class SamplerOutput:
-    """One step's sampling: a token per request that sampled, in batch order, with its logprobs (None
-    where not asked for), and the prompt logprobs of the step's prompt-logprob rows, in batch order."""
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob] | None]
-    prompt_logprobs: list[dict[int, Logprob]]
-
-
-@dataclass(frozen=True)
 class Logprob:
     """A token's log-probability and its rank among all tokens (1: the most likely)."""
     logprob: float
     rank: int
+
+
+# One position's logprobs, {token id: Logprob}: its own token first, then the most likely by rank (top_logprobs)
+TokenLogprobs = dict[int, Logprob]
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One step's sampling: a token per request that sampled, in batch order, with its logprobs (None
+    where not asked for), and the prompt logprobs of the step's prompt-logprob rows, in batch order."""
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: list[TokenLogprobs]
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]) -> list[int]:
@@ -104,7 +108,7 @@ def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torc
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
 
 
-def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[dict[int, Logprob]]:
+def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
     """Each row's token and its row's `num_top` most likely tokens, {token id: Logprob}: the row's
     token first, then the others by rank. logits [R, vocab] float32 as the model gave them, token_ids [R]."""
     logprobs = torch.log_softmax(logits, dim=-1)                                  # [R, vocab]

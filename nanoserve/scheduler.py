@@ -47,10 +47,10 @@ from typing import Protocol
 from nanoserve.batch import prompt_logprob_positions
 from nanoserve.block_manager import BlockManager
 from nanoserve.config import Config, cdiv
-from nanoserve.sampler import Logprob, SamplerOutput
+from nanoserve.sampler import SamplerOutput, TokenLogprobs
 from nanoserve.sequence import ScheduledSeq, Sequence, SequenceStatus
 
-Row = tuple[int, dict[int, Logprob] | None]  # a sampled token and its logprobs
+Row = tuple[int, TokenLogprobs | None]  # a sampled token and its logprobs
 
 
 class Drafter(Protocol):
