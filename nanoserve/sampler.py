@@ -12,6 +12,7 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 # SamplingParams and its checks live in sampling_params.py; imported from here too, as before.
 from nanoserve.sampling_params import (  # noqa: F401
@@ -45,7 +46,7 @@ class SamplerOutput:
     prompt_logprobs: list[TokenLogprobs]
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]) -> list[int]:
+def sample(logits: Tensor, params: list[SamplingParams], num_generated: list[int]) -> list[int]:
     """logits [S, vocab] float32, one row per request that samples now -> S token ids.
     `num_generated[row]` is how many tokens that request has sampled before this one."""
     greedy = logits.argmax(dim=-1)                                              # [S]
@@ -76,7 +77,7 @@ def noise_seed(seed: int, n: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed},{n}".encode()).digest()[:8], "little")
 
 
-def apply_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def apply_min_p(probs: Tensor, params: list[SamplingParams]) -> Tensor:
     """Zero the probabilities below min_p x their row's largest, and renormalize (vLLM applies min_p before
     top-k and top-p); probs [S, vocab]."""
     if not any(p.min_p for p in params):
@@ -86,7 +87,7 @@ def apply_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def apply_top_k_top_p(probs: Tensor, params: list[SamplingParams]) -> Tensor:
     """Zero the probabilities outside each row's top-k and top-p set; probs [S, vocab]."""
     vocab = probs.shape[1]
     # A top_k beyond the vocabulary keeps everything (and would not fit a torch int64).
@@ -108,7 +109,7 @@ def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torc
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
 
 
-def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+def top_logprobs(logits: Tensor, token_ids: Tensor, num_top: list[int]) -> list[TokenLogprobs]:
     """Each row's token and its row's `num_top` most likely tokens, {token id: Logprob}: the row's
     token first, then the others by rank. logits [R, vocab] float32 as the model gave them, token_ids [R]."""
     logprobs = torch.log_softmax(logits, dim=-1)                                  # [R, vocab]
