@@ -166,8 +166,8 @@ class BlockManager:
         `scheduled` if it has not run yet; raise AssertionError naming what broke. With no live
         request every block must be free: nothing leaked."""
         # tokens computed by the end of this step, as the invariants mean it
-        computed = {id(seq): seq.num_computed_tokens for seq in seqs}
-        computed.update((id(seq), seq.num_computed_tokens + num_new) for seq, num_new in scheduled)
+        computed = {seq: seq.num_computed_tokens for seq in seqs}
+        computed.update((seq, seq.num_computed_tokens + num_new) for seq, num_new in scheduled)
         holders: dict[int, list[tuple[Sequence, int]]] = {}  # block_id -> [(seq, index in its block table)]
         for seq in seqs:
             assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} holds a block twice"
@@ -185,7 +185,7 @@ class BlockManager:
             # Only a cache hit shares a block. A cached block is read-only: full, and computed (by the end
             # of this step) by every request that holds it; the first of them wrote it.
             assert len(held) < 2 or block.hash is not None, f"{where} is shared but not cached: nobody wrote it"
-            assert block.hash is None or all((i + 1) * self.block_size <= computed[id(seq)] for seq, i in held), \
+            assert block.hash is None or all((i + 1) * self.block_size <= computed[seq] for seq, i in held), \
                 f"{where} is cached but not full and computed in {[seq for seq, _ in held]}"
         for block_hash, block_id in self.cached_blocks.items():
             block = self.blocks[block_id]

@@ -267,7 +267,7 @@ class Scheduler:
         """Check the invariants above and the block manager's; given this step's plan (before
         `update`), also check that it fits the limits and that no block is written by two requests."""
         live = [*self.waiting, *self.running]
-        assert len({id(seq) for seq in live}) == len(live), f"a request is queued twice: {live}"
+        assert len(set(live)) == len(live), f"a request is queued twice: {live}"
         waiting_states = (SequenceStatus.WAITING, SequenceStatus.WAITING_FOR_GRAMMAR)
         assert all(s.status in waiting_states and not s.block_table and s.num_computed_tokens == 0
                    for s in self.waiting), f"a waiting request is not WAITING or holds KV: {list(self.waiting)}"
@@ -276,7 +276,7 @@ class Scheduler:
         self.block_manager.assert_invariants(live, scheduled or ())
         if scheduled is not None:
             seqs = [seq for seq, _ in scheduled]
-            assert len(set(map(id, seqs))) == len(seqs), f"a request planned twice: {scheduled}"
+            assert len(set(seqs)) == len(seqs), f"a request planned twice: {scheduled}"
             assert all(s in self.running for s in seqs), f"a planned request is not running: {scheduled}"
             assert all(n > 0 for _, n in scheduled), f"a request scheduled with no tokens: {scheduled}"
             assert sum(n for _, n in scheduled) <= self.config.max_num_batched_tokens, "token budget exceeded"
