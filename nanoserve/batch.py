@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from nanoserve.device import upload
 from nanoserve.sequence import ScheduledSeq, Sequence
@@ -27,17 +28,17 @@ class Batch:
         seq_lens        = [5,7,3]                                     # [B] tokens in the KV cache after this step
         block_tables    = [[1,2],[3,4],[5,0]]                         # [B, max_blocks], padded with null block 0
     """
-    input_ids: torch.Tensor        # [N] int64
-    positions: torch.Tensor        # [N] int64
-    slot_mapping: torch.Tensor     # [N] int64
-    query_start_loc: torch.Tensor  # [B+1] int32, cumulative query lengths (flash-attn's cu_seqlens_q)
-    seq_lens: torch.Tensor         # [B] int32, context length of each request after this step
-    cu_seqlens_k: torch.Tensor     # [B+1] int32, cumulative seq_lens (flash-attn's cu_seqlens_k)
-    block_tables: torch.Tensor     # [B, max_blocks] int32
-    logits_indices: torch.Tensor   # [S + P] int64, rows whose logits the model returns: the last token of
-                                   # each request that samples now (and its drafts', spec_decode.py), then
-                                   # the P prompt-logprob rows
-    next_token_ids: torch.Tensor   # [P] int64, the prompt token each prompt-logprob row predicts
+    input_ids: Tensor        # [N] int64
+    positions: Tensor        # [N] int64
+    slot_mapping: Tensor     # [N] int64
+    query_start_loc: Tensor  # [B+1] int32, cumulative query lengths (flash-attn's cu_seqlens_q)
+    seq_lens: Tensor         # [B] int32, context length of each request after this step
+    cu_seqlens_k: Tensor     # [B+1] int32, cumulative seq_lens (flash-attn's cu_seqlens_k)
+    block_tables: Tensor     # [B, max_blocks] int32
+    logits_indices: Tensor   # [S + P] int64, rows whose logits the model returns: the last token of
+                             # each request that samples now (and its drafts', spec_decode.py), then
+                             # the P prompt-logprob rows
+    next_token_ids: Tensor   # [P] int64, the prompt token each prompt-logprob row predicts
     max_query_len: int
     max_seq_len: int
     # The lengths again, on the host (numpy int64): plans are built from these, never read back from the device
@@ -56,11 +57,12 @@ def samples_now(seq: Sequence, num_new: int) -> bool:
     return seq.num_computed_tokens + num_new >= seq.num_tokens
 
 
-def sampling_rows(seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
-    """The sampled rows of a step: 1 + k per request (its last token, then each of its k drafts, from
-    spec_decode.py; k = 0 without), with how many tokens the request has sampled before each, so that every
-    row samples as a step without drafts would."""
-    rows = [(seq, j) for seq in seqs for j in range(1 + len(seq.spec_token_ids))]
+def sampling_rows(scheduled: list[ScheduledSeq]) -> tuple[list[Sequence], list[int]]:
+    """The sampled rows of a step: 1 + k per request that samples now (its last token, then each of its k
+    drafts, from spec_decode.py; k = 0 without), with how many tokens the request has sampled before each,
+    so that every row samples as a step without drafts would."""
+    rows = [(seq, j) for seq, num_new in scheduled if samples_now(seq, num_new)
+            for j in range(1 + len(seq.spec_token_ids))]
     return [seq for seq, _ in rows], [seq.num_tokens - seq.num_prompt_tokens + j for seq, j in rows]
 
 

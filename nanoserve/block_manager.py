@@ -80,10 +80,9 @@ class BlockManager:
         tokens (the scheduler's limit for prompt logprobs, whose rows a hit would skip).
 
         Only blocks before the last token are looked up: the last token is always recomputed, so
-        even a full hit leaves one token to run and yields logits to sample from.
+        even a full hit leaves one token to run and yields logits to sample from. Without prefix caching
+        nothing is ever cached (cache_full_blocks), so nothing is found.
         """
-        if not self.enable_prefix_caching:
-            return []
         num_tokens = seq.num_tokens - 1 if max_tokens is None else min(seq.num_tokens - 1, max_tokens)
         hits: list[int] = []
         key = None
@@ -100,14 +99,12 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def allocate(self, seq: Sequence, num_tokens: int, cached_prefix: list[int] | None = None,
-                 reserve: int = 0) -> bool:
+    def allocate(self, seq: Sequence, num_tokens: int, cached_prefix: list[int] = (), reserve: int = 0) -> bool:
         """Grow seq's block table (append-only) to cover `num_tokens` slots.
 
         `cached_prefix` (from find_cached_prefix, for a request with no blocks yet) is shared
         first. Returns False, changing nothing, when that would leave fewer than `reserve` blocks free.
         """
-        cached_prefix = cached_prefix or []
         num_needed = cdiv(num_tokens, self.block_size) - len(seq.block_table) - len(cached_prefix)
         num_revived = sum(self.blocks[b].ref_cnt == 0 for b in cached_prefix)  # hits in the free queue
         if max(num_needed, 0) + num_revived + reserve > self.num_free_blocks:
@@ -169,8 +166,8 @@ class BlockManager:
         `scheduled` if it has not run yet; raise AssertionError naming what broke. With no live
         request every block must be free: nothing leaked."""
         # tokens computed by the end of this step, as the invariants mean it
-        computed = {id(seq): seq.num_computed_tokens for seq in seqs}
-        computed.update((id(seq), seq.num_computed_tokens + num_new) for seq, num_new in scheduled)
+        computed = {seq: seq.num_computed_tokens for seq in seqs}
+        computed.update((seq, seq.num_computed_tokens + num_new) for seq, num_new in scheduled)
         holders: dict[int, list[tuple[Sequence, int]]] = {}  # block_id -> [(seq, index in its block table)]
         for seq in seqs:
             assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} holds a block twice"
@@ -188,7 +185,7 @@ class BlockManager:
             # Only a cache hit shares a block. A cached block is read-only: full, and computed (by the end
             # of this step) by every request that holds it; the first of them wrote it.
             assert len(held) < 2 or block.hash is not None, f"{where} is shared but not cached: nobody wrote it"
-            assert block.hash is None or all((i + 1) * self.block_size <= computed[id(seq)] for seq, i in held), \
+            assert block.hash is None or all((i + 1) * self.block_size <= computed[seq] for seq, i in held), \
                 f"{where} is cached but not full and computed in {[seq for seq, _ in held]}"
         for block_hash, block_id in self.cached_blocks.items():
             block = self.blocks[block_id]

@@ -30,7 +30,7 @@ from nanoserve.sampling_params import uses_processors
 from nanoserve.scheduler import Scheduler
 from nanoserve.seams import Seams
 from nanoserve.sequence import Sequence
-from nanoserve.tokenizer import load_tokenizer, read_eos_token_ids, tokenize
+from nanoserve.tokenizer import load_tokenizer, tokenize
 
 
 class LLMEngine:
@@ -62,7 +62,7 @@ class LLMEngine:
                     f"({(num_blocks - 1) * self.block_size} tokens), too few for one request of "
                     f"max_model_len={self.max_model_len} tokens: raise num_kvcache_blocks or lower max_model_len")
             self.tokenizer = load_tokenizer(config.model)
-            eos_token_ids = read_eos_token_ids(config.model, hf_config)
+            eos_token_ids = self.model_runner.eos_token_ids  # read once, by the runner (min_tokens bans them)
             self.scheduler = Scheduler(config, num_blocks, self.block_size, self.max_model_len, eos_token_ids,
                                        seams.drafter)
             self.grammars = seams.grammars and seams.grammars(self.tokenizer, self.vocab_size, eos_token_ids)

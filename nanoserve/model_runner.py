@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 
 from nanoserve.attention import select_attention
-from nanoserve.batch import Batch, build_batch, prompt_logprob_positions, samples_now, sampling_rows
+from nanoserve.batch import Batch, build_batch, prompt_logprob_positions, sampling_rows
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config, cdiv
 from nanoserve.device import free_memory, resolve_dtype
 from nanoserve.distributed import Shard, broadcast_from_rank0
 from nanoserve.models import get_head_dim
 from nanoserve.models.loader import load_model, read_config
-from nanoserve.sampler import Logprob, SamplerOutput, SamplingParams, sample, top_logprobs
+from nanoserve.sampler import SamplerOutput, SamplingParams, TokenLogprobs, sample, top_logprobs
 from nanoserve.seams import Seams
 from nanoserve.sequence import ScheduledSeq, Sequence
 from nanoserve.tokenizer import read_eos_token_ids
@@ -89,12 +89,13 @@ class ModelRunner:
         logits, the sampler's [rows, vocab] copies) is what the KV cache must leave free, as vLLM and
         nano-vllm measure it. Every rank runs it: the forward's collectives need them all."""
         seq_len = min(config.max_num_batched_tokens, max_model_len)
+        num_blocks = 1 + cdiv(seq_len, self.block_size)  # of a throwaway cache: seq's blocks and the null block 0
         seq = Sequence("warm-up", None, [0] * seq_len, SamplingParams())
-        seq.block_table = list(range(1, 1 + cdiv(seq_len, self.block_size)))  # a throwaway cache's (0: the null block)
+        seq.block_table = list(range(1, num_blocks))
         # the same request, as many times as fit: a batch reads only their tokens and blocks, never who they are
         num_seqs = min(config.max_num_batched_tokens // seq_len, config.max_num_seqs)
         batch = build_batch([(seq, seq_len)] * num_seqs, self.block_size, self.device)
-        self.model(batch, self.allocate_kv_cache(1 + cdiv(seq_len, self.block_size)))
+        self.model(batch, self.allocate_kv_cache(num_blocks))
         if self.shard.rank == 0:
             logits = torch.zeros(config.max_num_seqs, self.model.vocab_size, device=self.device)
             sample(logits, [SamplingParams(top_k=50, top_p=0.9)] * len(logits), [0] * len(logits))
@@ -109,13 +110,12 @@ class ModelRunner:
                   self.model(batch, self.kv_cache))
         if not scheduled:
             return SamplerOutput([], [], [])
-        seqs = [seq for seq, num_new in scheduled if samples_now(seq, num_new)]
-        seqs, num_generated = sampling_rows(seqs)  # a row per request, and one per draft (batch.py)
+        seqs, num_generated = sampling_rows(scheduled)  # a row per request that samples, one per draft (batch.py)
         sampling, prompt_rows = logits[:len(seqs)], logits[len(seqs):]  # [S, vocab], [P, vocab]
         # penalties, grammars...: logits_processors.py (a request using them has no drafts: one row each)
         processed = self.logits_processor(sampling, seqs, self.eos_token_ids)
         token_ids = sample(processed, [s.params for s in seqs], num_generated)
-        logprobs: list[dict[int, Logprob] | None] = [None] * len(seqs)
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
         if rows:
             chosen = torch.tensor([token_ids[row] for row in rows], device=logits.device)

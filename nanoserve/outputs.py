@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanoserve.batch import Batch
-from nanoserve.sampler import Logprob
+from nanoserve.sampler import TokenLogprobs
 from nanoserve.sequence import Sequence
 
 
@@ -21,7 +21,7 @@ class CompletionOutput:
     text: str | None             # the completion decoded, when the model has a tokenizer
     token_ids: list[int]
     finish_reason: str           # "stop" | "length" | "abort" | "error" (the request failed alone: RequestOutput.error)
-    logprobs: list[dict[int, Logprob]] | None = None  # per token, with SamplingParams.logprobs
+    logprobs: list[TokenLogprobs] | None = None  # per token, with SamplingParams.logprobs
 
 
 @dataclass
@@ -35,7 +35,7 @@ class RequestOutput:
     ttft: float | None           # seconds from arrival to the first output token; None if none came
     latency: float               # seconds from arrival to finish
     # With SamplingParams.prompt_logprobs: per prompt token, None for the first (nothing predicts it).
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # finish_reason "error": why it failed alone (an InvalidRequest naming the field, when its input caused it,
     # such as a grammar with no valid output); its tokens are void. LLM.generate raises it; a server answers it.
     error: Exception | None = None
@@ -53,10 +53,10 @@ class RequestDelta:
     token_ids: list[int]         # the tokens sampled this step: one, or more with speculative decoding
     text: str | None             # its new text; may be "" (held back), None without a tokenizer
     finish_reason: str | None    # None until the request's last delta
-    logprobs: list[dict[int, Logprob]] | None = None  # per token, with SamplingParams.logprobs
+    logprobs: list[TokenLogprobs] | None = None  # per token, with SamplingParams.logprobs
     # With SamplingParams.prompt_logprobs, on the request's first delta (as vLLM streams them): a server echoing
     # the prompt with its logprobs sends them before the first token.
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 # SamplingParams and its checks live in sampling_params.py; imported from here too, as before.
 from nanoserve.sampling_params import (  # noqa: F401
@@ -26,22 +27,26 @@ from nanoserve.sampling_params import (  # noqa: F401
 
 
 @dataclass(frozen=True)
-class SamplerOutput:
-    """One step's sampling: a token per request that sampled, in batch order, with its logprobs (None
-    where not asked for), and the prompt logprobs of the step's prompt-logprob rows, in batch order."""
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob] | None]
-    prompt_logprobs: list[dict[int, Logprob]]
-
-
-@dataclass(frozen=True)
 class Logprob:
     """A token's log-probability and its rank among all tokens (1: the most likely)."""
     logprob: float
     rank: int
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]) -> list[int]:
+# One position's logprobs, {token id: Logprob}: its own token first, then the most likely by rank (top_logprobs)
+TokenLogprobs = dict[int, Logprob]
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One step's sampling: a token per request that sampled, in batch order, with its logprobs (None
+    where not asked for), and the prompt logprobs of the step's prompt-logprob rows, in batch order."""
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: list[TokenLogprobs]
+
+
+def sample(logits: Tensor, params: list[SamplingParams], num_generated: list[int]) -> list[int]:
     """logits [S, vocab] float32, one row per request that samples now -> S token ids.
     `num_generated[row]` is how many tokens that request has sampled before this one."""
     greedy = logits.argmax(dim=-1)                                              # [S]
@@ -72,7 +77,7 @@ def noise_seed(seed: int, n: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed},{n}".encode()).digest()[:8], "little")
 
 
-def apply_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def apply_min_p(probs: Tensor, params: list[SamplingParams]) -> Tensor:
     """Zero the probabilities below min_p x their row's largest, and renormalize (vLLM applies min_p before
     top-k and top-p); probs [S, vocab]."""
     if not any(p.min_p for p in params):
@@ -82,15 +87,16 @@ def apply_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def apply_top_k_top_p(probs: Tensor, params: list[SamplingParams]) -> Tensor:
     """Zero the probabilities outside each row's top-k and top-p set; probs [S, vocab]."""
+    vocab = probs.shape[1]
     # A top_k beyond the vocabulary keeps everything (and would not fit a torch int64).
-    top_k = [min(p.top_k, probs.shape[1]) if p.top_k > 0 else probs.shape[1] for p in params]
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     top_p = [p.top_p for p in params]
-    if min(top_k) == probs.shape[1] and min(top_p) == 1.0:  # every row off: nothing to zero
+    if min(top_k) == vocab and min(top_p) == 1.0:  # every row off: nothing to zero
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)       # [S, vocab]
-    rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    rank = torch.arange(vocab, device=probs.device)[None, :]
     k = torch.tensor(top_k, device=probs.device)[:, None]
     p = torch.tensor(top_p, device=probs.device)[:, None]
     # Keep a token if it is among the top k and the mass before it is still below top_p of the top k's
@@ -103,7 +109,7 @@ def apply_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torc
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
 
 
-def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[dict[int, Logprob]]:
+def top_logprobs(logits: Tensor, token_ids: Tensor, num_top: list[int]) -> list[TokenLogprobs]:
     """Each row's token and its row's `num_top` most likely tokens, {token id: Logprob}: the row's
     token first, then the others by rank. logits [R, vocab] float32 as the model gave them, token_ids [R]."""
     logprobs = torch.log_softmax(logits, dim=-1)                                  # [R, vocab]

@@ -47,10 +47,10 @@ from typing import Protocol
 from nanoserve.batch import prompt_logprob_positions
 from nanoserve.block_manager import BlockManager
 from nanoserve.config import Config, cdiv
-from nanoserve.sampler import Logprob, SamplerOutput
+from nanoserve.sampler import SamplerOutput, TokenLogprobs
 from nanoserve.sequence import ScheduledSeq, Sequence, SequenceStatus
 
-Row = tuple[int, dict[int, Logprob] | None]  # a sampled token and its logprobs
+Row = tuple[int, TokenLogprobs | None]  # a sampled token and its logprobs
 
 
 class Drafter(Protocol):
@@ -73,6 +73,7 @@ class Scheduler:
     def __init__(self, config: Config, num_blocks: int, block_size: int, max_model_len: int,
                  eos_token_ids: set[int], drafter: Drafter | None = None) -> None:
         self.config = config
+        self.static = config.scheduling == "static"  # static batching, the baseline (see the module docstring)
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
@@ -107,7 +108,7 @@ class Scheduler:
         # A step that preempted is out of blocks: an admission would only be preempted in turn.
         # Static batching, difference 1 of 4: a new batch is admitted only once the last one has
         # completely finished (continuous batching admits at every step).
-        if preempted or (self.config.scheduling == "static" and self.running):
+        if preempted or (self.static and self.running):
             return scheduled
         budget = self.config.max_num_batched_tokens - sum(num_new for _, num_new in scheduled)
         return scheduled + self.admit_waiting(budget, planned=scheduled)
@@ -140,11 +141,11 @@ class Scheduler:
     def admit_waiting(self, budget: int, planned: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Move waiting requests to running, first come first served, while they fit. The first that
         does not fit stops admission: no one behind it jumps the queue. `planned`: the step's plan so far."""
-        static = self.config.scheduling == "static"
         scheduled: list[ScheduledSeq] = []
         # Static batching, difference 2 of 4: the whole batch is admitted at once, even past the token
         # budget (their prompts then run in chunks over the next steps).
-        while (seq := self.next_ready()) and (budget > 0 or static) and len(self.running) < self.config.max_num_seqs:
+        while ((seq := self.next_ready()) and (budget > 0 or self.static)
+               and len(self.running) < self.config.max_num_seqs):
             # Blocks enter the prefix cache when the step that fills them is scheduled: a request
             # admitted after another in this step shares the blocks that one fills (block_manager.py).
             max_hit = self.max_cache_hit(seq, chain(planned, scheduled))
@@ -154,7 +155,7 @@ class Scheduler:
             # The KV slots seq takes now. Continuous batching: only what this step writes; later steps take
             # blocks as tokens arrive. Static batching, difference 3 of 4: the whole request up front,
             # because nobody knows when it will stop: so it is never preempted.
-            num_slots = self.max_kv_len(seq) if static else num_computed + num_new
+            num_slots = self.max_kv_len(seq) if self.static else num_computed + num_new
             if not self.block_manager.allocate(seq, num_slots, cached_prefix, self.blocks_to_keep_free()):
                 break  # first come, first served: no one behind it may pass
             del self.waiting[seq]
@@ -195,7 +196,7 @@ class Scheduler:
         while blocks last and the newest are preempted and recomputed a few steps later, as the
         running ones grow (docs/batching.md measures it). With nothing running it is 0: a request the
         cache can hold is always admitted. Static batching, difference 4 of 4: 0 (admission reserved it all)."""
-        if self.config.scheduling == "static":
+        if self.static:
             return 0
         block_size = self.block_manager.block_size
         return sum(cdiv(min(seq.num_tokens + 2 * block_size, self.max_kv_len(seq)), block_size)
@@ -266,7 +267,7 @@ class Scheduler:
         """Check the invariants above and the block manager's; given this step's plan (before
         `update`), also check that it fits the limits and that no block is written by two requests."""
         live = [*self.waiting, *self.running]
-        assert len({id(seq) for seq in live}) == len(live), f"a request is queued twice: {live}"
+        assert len(set(live)) == len(live), f"a request is queued twice: {live}"
         waiting_states = (SequenceStatus.WAITING, SequenceStatus.WAITING_FOR_GRAMMAR)
         assert all(s.status in waiting_states and not s.block_table and s.num_computed_tokens == 0
                    for s in self.waiting), f"a waiting request is not WAITING or holds KV: {list(self.waiting)}"
@@ -275,7 +276,7 @@ class Scheduler:
         self.block_manager.assert_invariants(live, scheduled or ())
         if scheduled is not None:
             seqs = [seq for seq, _ in scheduled]
-            assert len(set(map(id, seqs))) == len(seqs), f"a request planned twice: {scheduled}"
+            assert len(set(seqs)) == len(seqs), f"a request planned twice: {scheduled}"
             assert all(s in self.running for s in seqs), f"a planned request is not running: {scheduled}"
             assert all(n > 0 for _, n in scheduled), f"a request scheduled with no tokens: {scheduled}"
             assert sum(n for _, n in scheduled) <= self.config.max_num_batched_tokens, "token budget exceeded"

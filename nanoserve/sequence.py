@@ -12,7 +12,7 @@ import time
 from typing import Protocol
 
 from nanoserve.detokenizer import Detokenizer
-from nanoserve.sampler import Logprob, SamplingParams
+from nanoserve.sampler import SamplingParams, TokenLogprobs
 
 
 class Grammar(Protocol):
@@ -63,11 +63,11 @@ class Sequence:
         self.finish_time: float | None = None
         self.detokenizer = detokenizer                   # the output text; None without a tokenizer
         self.grammar = grammar                           # with structured_outputs: structured_outputs.py
-        self.logprobs: list[dict[int, Logprob]] = []     # per output token, with params.logprobs
+        self.logprobs: list[TokenLogprobs] = []          # per output token, with params.logprobs
         # Per prompt token, with params.prompt_logprobs; shared by the requests with the same prompt (scheduler.py)
-        self.prompt_logprobs: list[dict[int, Logprob] | None] = [None]
+        self.prompt_logprobs: list[TokenLogprobs | None] = [None]
 
-    def append_token(self, token: int, logprobs: dict[int, Logprob] | None = None) -> None:
+    def append_token(self, token: int, logprobs: TokenLogprobs | None = None) -> None:
         """A sampled token (and its logprobs, if asked for): onto token_ids, and into the output text."""
         self.token_ids.append(token)
         if logprobs is not None:

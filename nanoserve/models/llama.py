@@ -21,9 +21,8 @@ Invariants:
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from nanoserve.attention import BACKENDS, AttentionBackend, AttentionMetadata
@@ -67,8 +66,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * head_dim, config.hidden_size, bias=False)  # this rank's heads in
         self.attention = attention  # the model's one backend, shared by every layer
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
+                v_cache: Tensor, metadata: AttentionMetadata) -> Tensor:
         H, Hkv = self.num_heads, self.num_kv_heads
         # [N, H + 2 * Hkv, D] -> [N, H + Hkv, D], [N, Hkv, D]
         qk, v = self.qkv_proj(x).view(-1, H + 2 * Hkv, self.family.head_dim).split([H + Hkv, Hkv], dim=1)
@@ -91,7 +90,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, intermediate] each
         return all_reduce(self.down_proj(F.silu(gate) * up), self.shard)  # the sum over every rank's units
 
@@ -104,8 +103,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, shard)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
+                v_cache: Tensor, metadata: AttentionMetadata) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -123,7 +122,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(family.head_dim, family.rope_parameters)
 
-    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: Batch, kv_cache: Tensor) -> Tensor:
         """Final hidden states `[S, hidden]` of the rows `batch.logits_indices`."""
         x = embed(batch.input_ids, self.embed_tokens.weight, self.shard)  # [N, hidden]
         cos, sin = self.rotary(batch.positions, x.dtype)  # [N, 1, D] each, shared by every layer
@@ -152,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, family, attention_backend, shard)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // shard.size, bias=False)  # a vocab range
 
-    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, batch: Batch, kv_cache: Tensor) -> Tensor | None:
         """Logits `[S, vocab]` float32 (None on a tensor-parallel worker: rank 0 samples);
         kv_cache is `[2, num_layers, num_blocks, block_size, Hkv, D]`."""
         logits = gather_on_rank0(self.lm_head(self.model(batch, kv_cache)), self.shard)
