@@ -32,22 +32,19 @@ def check_bounds(spec: dict[str, Any], max_bytes: int = MAX_BYTES, max_depth: in
     the schema's objects and arrays, and of brackets in the regex, the grammar and every string of the schema),
     at most `max_depth` quantifiers stacked on one atom and MAX_QUANTIFIERS in all (in the regex, the grammar
     and the schema's patterns). Past any, an InvalidRequest."""
-    texts = [spec[name] for name in ("regex", "grammar", "json") if isinstance(spec.get(name), str)]
-    texts += [choice for choice in spec.get("choice") or () if isinstance(choice, str)]
+    patterns = [spec[name] for name in ("regex", "grammar") if isinstance(spec.get(name), str)]
+    schema = spec.get("json")
+    texts = patterns + [text for text in (schema, *(spec.get("choice") or ())) if isinstance(text, str)]
     if num_bytes(texts) > max_bytes:
         refuse(f"has over {max_bytes} bytes, more than this server takes")
-    patterns = [spec[name] for name in ("regex", "grammar") if isinstance(spec.get(name), str)]
-    nested = list(patterns)  # the texts whose brackets nest: the regex, the grammar, the schema's strings
-    schema = read_json(spec["json"]) if isinstance(spec.get("json"), str) else spec.get("json")
-    if isinstance(schema, (dict, list)):
-        strings, schema_patterns = walk_schema(schema, max_depth)
-        if num_bytes(strings) > max_bytes:
-            refuse(f"has over {max_bytes} bytes, more than this server takes")
-        nested += strings
-        patterns += schema_patterns
-    if any(bracket_depth(text) > max_depth for text in nested):
+    schema = read_json(schema) if isinstance(schema, str) else schema
+    strings, schema_patterns = walk_schema(schema, max_depth) if isinstance(schema, (dict, list)) else ([], [])
+    if num_bytes(strings) > max_bytes:
+        refuse(f"has over {max_bytes} bytes, more than this server takes")
+    # the texts whose brackets nest: the regex, the grammar, the schema's strings
+    if any(bracket_depth(text) > max_depth for text in patterns + strings):
         refuse(f"nests brackets over {max_depth} deep, more than this server takes")
-    counts = [count_quantifiers(text) for text in patterns]
+    counts = [count_quantifiers(text) for text in patterns + schema_patterns]
     if any(stacked > max_depth for _, stacked in counts):
         refuse(f"stacks over {max_depth} quantifiers on one atom (as a{{1}}{{1}}...), more than this server takes")
     if sum(total for total, _ in counts) > MAX_QUANTIFIERS:
@@ -85,7 +82,8 @@ def walk_schema(schema: dict | list, max_depth: int) -> tuple[list[str], list[st
             refuse(f"nests its schema over {max_depth} deep, more than this server takes")
         if role == "schema" and isinstance(value, dict):
             check_keywords(value)
-            patterns += [value["pattern"]] if isinstance(value.get("pattern"), str) else []
+            if isinstance(value.get("pattern"), str):
+                patterns.append(value["pattern"])
             if isinstance(value.get("patternProperties"), dict):
                 patterns += [key for key in value["patternProperties"] if isinstance(key, str)]
         for key, item in value.items() if isinstance(value, dict) else enumerate(value):

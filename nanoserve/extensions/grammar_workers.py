@@ -82,7 +82,7 @@ def serve(fd: int) -> None:
             return
         try:
             grammar = parse_grammar(job.spec)
-            conn.send(Compiled(compile_checked(compiler, grammar, info)))
+            conn.send(Compiled(compile_checked(compiler, grammar)))
         except InvalidRequest as error:
             conn.send(Refused(str(error)))
         except (RuntimeError, ValueError, TypeError, MemoryError) as error:  # xgrammar's, or out of memory
@@ -93,16 +93,13 @@ def parse_grammar(spec: Any) -> Any:
     """In a grammar worker's process, never the server's: the spec (a StructuredOutputsParams) as an xgrammar Grammar;
     a spec xgrammar rejects is an InvalidRequest naming structured_outputs.
     JSON has no free whitespace: a model that never saw JSON would pad it with spaces forever."""
-    try:  # imported here: it takes seconds, and only structured outputs need it
-        import xgrammar as xgr
-    except ImportError:
-        raise InvalidRequest("structured_outputs", "structured_outputs needs xgrammar: "
-                                                   "pip install 'nanoserve[structured]'") from None
+    import xgrammar as xgr  # here: it takes seconds, and only structured outputs need it (`serve` imported it)
+
     try:
-        if spec.json is not None:
-            return xgr.Grammar.from_json_schema(spec.json, any_whitespace=False)
-        if spec.json_object:  # an object, as OpenAI's json_object promises (xgrammar's builtin JSON allows arrays)
-            return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False)
+        if spec.json is not None or spec.json_object:  # json_object: an object, as OpenAI's json_object promises
+            # (xgrammar's builtin JSON allows arrays)
+            schema = {"type": "object"} if spec.json_object else spec.json
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
         if spec.regex is not None:
             return xgr.Grammar.from_regex(spec.regex)
         if spec.choice is not None:  # a JSON string literal is an EBNF string literal too; not ASCII-escaped,
@@ -114,12 +111,12 @@ def parse_grammar(spec: Any) -> Any:
         raise InvalidRequest("structured_outputs", f"structured_outputs is not a valid grammar: {error}") from None
 
 
-def compile_checked(compiler: Any, grammar: Any, info: Any) -> str:
+def compile_checked(compiler: Any, grammar: Any) -> str:
     """The grammar's token masks over the vocabulary, as JSON. A grammar that allows no output at all
     (`root ::= root`: its language is empty) is an InvalidRequest, before any request runs."""
     import xgrammar as xgr
     compiled = compiler.compile_grammar(grammar)
-    bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
     xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
     if not bitmask.any():
         raise InvalidRequest("structured_outputs", "structured_outputs allows no output: its language is empty")
@@ -140,8 +137,8 @@ def limit_memory(num_bytes: int) -> None:
 class GrammarWorker:
     """One child process that parses and compiles grammars, one at a time (its owner is one thread)."""
 
-    def __init__(self, tokenizer_info_json: str, memory_bytes: int = MEMORY_BYTES) -> None:
-        self.tokenizer_info_json, self.memory_bytes = tokenizer_info_json, memory_bytes
+    def __init__(self, tokenizer_info_json: str, memory_bytes: int) -> None:
+        self.setup = Start(tokenizer_info_json, memory_bytes)  # the child's first message
         self.seconds = COMPILE_SECONDS
         self.process: subprocess.Popen | None = None
         self.conn: Connection | None = None
@@ -159,7 +156,7 @@ class GrammarWorker:
                                         stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": path})
         child_end.close()  # the parent's copy: the child's death then ends the socket (EOFError)
         self.conn = Connection(ours.detach())
-        self.conn.send(Start(self.tokenizer_info_json, self.memory_bytes))
+        self.conn.send(self.setup)
         if not self.conn.poll(START_SECONDS) or not isinstance(self.receive(), Ready):
             self.stop()
             raise RuntimeError("the grammar worker process did not start")

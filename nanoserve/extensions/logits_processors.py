@@ -88,9 +88,9 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     is_output = torch.arange(tokens.shape[1], device=device)[None, :] >= num_prompt[:, None]  # [R, L]
     counts = torch.zeros(R, vocab + 1, device=device).scatter_add_(1, tokens, is_output.float())[:, :vocab]
     seen = torch.zeros(R, vocab + 1, dtype=torch.bool, device=device).scatter_(1, tokens, True)[:, :vocab]
-    params = [seqs[r].params for r in rows]
-    repetition, frequency, presence = (torch.tensor([getattr(p, name) for p in params], device=device)[:, None]
-                                       for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+    repetition, frequency, presence = (
+        torch.tensor([getattr(seqs[r].params, name) for r in rows], device=device)[:, None]  # [R, 1] each
+        for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
     x = logits[rows]                                                                        # [R, vocab]
     x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
     logits[rows] = x - frequency * counts - presence * (counts > 0)

@@ -88,7 +88,7 @@ class Speculator:
         running requests' next tokens always come before drafts: drafts shrink, nobody is preempted for them."""
         if len(scheduler.running) >= self.config.disable_by_batch_size:
             return scheduled
-        manager, block_size = scheduler.block_manager, scheduler.block_manager.block_size
+        manager = scheduler.block_manager
         budget = scheduler.config.max_num_batched_tokens - sum(n for _, n in scheduled)
         reserve = scheduler.blocks_to_keep_free()
         planned = []
@@ -98,12 +98,12 @@ class Speculator:
             if num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1 and not uses_processors(seq.params):
                 spare_blocks = max(0, manager.num_free_blocks - reserve)
                 room = min(self.config.num_speculative_tokens, budget, scheduler.max_kv_len(seq) - seq.num_tokens,
-                           (len(seq.block_table) + spare_blocks) * block_size - seq.num_tokens)
-                seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)[:room] if room > 0 else []
-                allocated = manager.allocate(seq, seq.num_tokens + len(seq.spec_token_ids))  # not in the assert: -O
+                           (len(seq.block_table) + spare_blocks) * manager.block_size - seq.num_tokens)
+                seq.spec_token_ids = drafts = self.proposer.propose(seq.token_ids, room)[:room] if room > 0 else []
+                allocated = manager.allocate(seq, seq.num_tokens + len(drafts))  # not in the assert: -O
                 assert allocated, f"{seq}: no room for drafts"
-                num_new += len(seq.spec_token_ids)
-                budget -= len(seq.spec_token_ids)
+                num_new += len(drafts)
+                budget -= len(drafts)
             planned.append((seq, num_new))
         return planned
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Collection
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -74,7 +74,7 @@ class StructuredOutputsParams(GrammarSpec):
     @cached_property
     def key(self) -> str:
         """The spec as one string: the cache's key."""
-        spec = json.loads(self.json) if isinstance(self.json, str) else self.json
+        spec = read_json(self.json) if isinstance(self.json, str) else self.json  # valid JSON: __post_init__
         return json.dumps([spec, self.regex, self.choice, self.grammar, self.json_object], sort_keys=True)
 
 
@@ -122,19 +122,20 @@ class GrammarCompiler:
     Thread-safe: a server's handlers submit grammars too and wait for the compile (`submit(..., waiting=True)`,
     then `leave`) before the request reaches the engine, whose add_request then finds it compiled in the
     cache; a compile that every waiter left before it started is cancelled. `max_bytes`, `max_depth`: the
-    bounds; `memory_bytes`: each worker's limit on one compile (its time limit: grammar_workers.py)."""
+    bounds (a server sets its own); `memory_bytes`: each worker's limit on one compile (its time limit:
+    grammar_workers.py)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, eos_token_ids: set[int],
-                 max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH, memory_bytes: int = MEMORY_BYTES) -> None:
+                 memory_bytes: int = MEMORY_BYTES) -> None:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
-        self.max_bytes, self.max_depth, self.memory_bytes = max_bytes, max_depth, memory_bytes
+        self.max_bytes, self.max_depth, self.memory_bytes = MAX_BYTES, MAX_DEPTH, memory_bytes
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self.small_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-small")
         self.tokenizer_info: Any = None  # xgrammar's, made at the first compile (reading the vocabulary takes ~0.5 s)
         self.workers: dict[str, GrammarWorker] = {}  # a compile thread's name -> its worker process
         self.started: list[Future] = []  # `start_workers`
         self.cache: OrderedDict[str, Future] = OrderedDict()
-        self.waiters: dict[str, int] = {}  # spec key -> requests waiting for its compile (`submit`'s waiting)
+        self.waiters: Counter[str] = Counter()  # spec key -> requests waiting for its compile (`submit`'s waiting)
         self.lock = threading.Lock()  # over cache, waiters, tokenizer_info and workers: engine and server threads
         self.cache_bytes = CACHE_BYTES
 
@@ -151,7 +152,7 @@ class GrammarCompiler:
         if idle and waiting and len(with_grammar) == len(waiting):  # returns at once if one compile has ended
             wait([seq.grammar.compiled for seq in with_grammar], 0.1, FIRST_COMPLETED)
         for seq in with_grammar:
-            if seq.grammar.compiled.done() and (error := failure(seq.grammar.compiled)):
+            if error := failure(seq.grammar.compiled):
                 logging.getLogger(__name__).error(f"grammar of request {seq.request_id!r} failed: {error!r}")
                 fail(seq, error)
 
@@ -164,12 +165,13 @@ class GrammarCompiler:
         key = spec.key
         with self.lock:
             future = self.cache.get(key)
-            if future is None or future.done() and failure(future) is not None:
-                self.cache[key] = self.lane(key).submit(self.compile_now, spec)
+            if future is None or failure(future) is not None:
+                lane = self.small_pool if len(key) <= SMALL_SPEC_CHARS else self.pool
+                self.cache[key] = lane.submit(self.compile_now, spec)
             self.cache.move_to_end(key)
             self.evict()  # sizes are known once compiled: each submit evicts for those done since the last
             if waiting:
-                self.waiters[key] = self.waiters.get(key, 0) + 1
+                self.waiters[key] += 1
             return self.cache[key]
 
     def check(self, spec: StructuredOutputsParams) -> None:
@@ -179,19 +181,17 @@ class GrammarCompiler:
         check_bounds(vars(spec), self.max_bytes, self.max_depth)  # its fields by name
         spec.key  # noqa: B018 (made here, where it costs no one a wait)
 
-    def lane(self, key: str) -> ThreadPoolExecutor:
-        return self.small_pool if len(key) <= SMALL_SPEC_CHARS else self.pool
-
     def leave(self, spec: StructuredOutputsParams) -> None:
         """A request that waited for spec's compile stopped waiting (compiled, past its time budget, or its
         client left). A compile no request waits for any more and not yet started is cancelled: six clients
         that sent a huge schema and left kept the compile thread busy for 23 s."""
+        key = spec.key
         with self.lock:
-            self.waiters[spec.key] -= 1
-            if self.waiters[spec.key] == 0:
-                del self.waiters[spec.key]
-                if spec.key in self.cache and self.cache[spec.key].cancel():  # False once started
-                    del self.cache[spec.key]
+            self.waiters[key] -= 1
+            if self.waiters[key] == 0:
+                del self.waiters[key]
+                if key in self.cache and self.cache[key].cancel():  # False once started
+                    del self.cache[key]
 
     def evict(self) -> None:
         """Drop the least recently asked for grammars past CACHE_SIZE or past cache_bytes (the compiled ones'
@@ -235,7 +235,10 @@ class GrammarCompiler:
 
 
 def failure(future: Future) -> BaseException | None:
-    """A done future's exception: CancelledError if it was cancelled (Future.exception would raise it)."""
+    """A future's exception once done: CancelledError if it was cancelled (Future.exception would raise it); None
+    while it runs, or once it succeeded."""
+    if not future.done():
+        return None
     return CancelledError() if future.cancelled() else future.exception()
 
 
@@ -253,11 +256,12 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         return
     import xgrammar as xgr
     bitmask = xgr.allocate_token_bitmask(len(seqs), logits.shape[1])
+    masked = []  # the rows whose grammar filled its mask
     for row in rows:
         try:
             seqs[row].grammar.start().fill_next_token_bitmask(bitmask, row)
+            masked.append(row)
         except Exception as error:  # this request's grammar: its failure, not the step's
             seqs[row].error = error
-    rows = [row for row in rows if seqs[row].error is None]
-    if rows:
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    if masked:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=masked)
