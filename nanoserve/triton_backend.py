@@ -23,7 +23,7 @@ from nanoserve.batch import Batch
 
 @dataclass(frozen=True)
 class TritonMetadata:
-    """What every layer's attention shares in a step: the Batch's arrays the kernels read, nothing else."""
+    """What every layer's attention shares in a step: the Batch's arrays the store and the kernel read, nothing else."""
     slot_mapping: Tensor     # [N] int64
     query_start_loc: Tensor  # [B+1] int32
     seq_lens: Tensor         # [B] int32
@@ -35,9 +35,11 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
                      query_start_loc: Tensor, seq_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
     """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`: the step's k, v written into their slots first,
     so that each query finds its own token's key through the block table like any other."""
-    # imported only when run: triton reads TRITON_INTERPRET as the kernels are defined
+    # imported only when run: triton reads TRITON_INTERPRET as the kernels are defined, and attention.py
+    # imports this module
+    from nanoserve.attention import store_kvcache
     from nanoserve.kernels import triton_attention as kernels
-    kernels.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
     return kernels.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
 
 
@@ -49,7 +51,7 @@ def _(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_ma
 
 
 class TritonBackend:
-    """Triton kernels on CUDA (or under TRITON_INTERPRET=1): one store, one attention launch per layer."""
+    """Triton kernels on CUDA (or under TRITON_INTERPRET=1): attention.store_kvcache, then one attention launch per layer."""
 
     def __init__(self, scale: float) -> None:
         self.scale = scale

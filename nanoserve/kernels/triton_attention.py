@@ -1,8 +1,8 @@
 """Paged attention in Triton: the step's whole flat batch, prompt chunks and decodes together, in one
 launch per layer, reading every key and value where it sits in the paged KV cache.
 
-The kernels read the Batch's own arrays (batch.py) as tensors: `query_start_loc`, `seq_lens`,
-`block_tables` and `slot_mapping`. No per-request Python runs and no KV is copied out of the cache
+The kernel reads the Batch's own arrays (batch.py) as tensors: `query_start_loc`, `seq_lens` and
+`block_tables`. No per-request Python runs and no KV is copied out of the cache
 (the torch backend in attention.py copies; it stays the plain reference the tests compare with).
 
 Who reads what. The flat batch's N query rows are cut into tiles of BLOCK_Q rows; each request starts
@@ -25,8 +25,8 @@ a new tile, so a tile never mixes two requests. One program owns one (query tile
 Causal masks are aligned bottom-right: the request's queries are its last `query_len` tokens, so
 query i (0 = its first) sees key j iff j <= i + seq_len - query_len.
 
-Writing the step's k and v into the cache is `store_kvcache_kernel`: one program per new token, its
-slot read from `slot_mapping` (the slot's block is slot // block_size, its offset slot % block_size).
+Writing the step's k and v into the cache is not a kernel of this module: the backend's op calls
+attention.store_kvcache (two index_copy_ calls, which CUDA graphs capture and which run on any device).
 
 This module imports triton at its top: it is imported only once the triton backend is chosen
 (triton_backend.py), because TRITON_INTERPRET (run the kernels in Triton's interpreter, on a CPU) is
@@ -38,27 +38,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-
-
-@triton.jit
-def store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                         k_token_stride, k_head_stride, v_token_stride, v_head_stride,
-                         cache_block_stride, cache_slot_stride, cache_head_stride, block_size,
-                         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per new token i: copy its k and v `[num_kv_heads, head_dim]` into the cache's slot
-    `slot_mapping[i]`. BLOCK_H, BLOCK_D: num_kv_heads and head_dim rounded up to powers of two."""
-    i = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + i).to(tl.int64)  # int64: slot * strides can pass 2**31
-    heads = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
-    dims = tl.arange(0, BLOCK_D)[None, :]   # [1, BLOCK_D]
-    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
-    block, offset = slot // block_size, slot % block_size
-    cache = block * cache_block_stride + offset * cache_slot_stride + heads * cache_head_stride + dims
-    k = tl.load(k_ptr + i * k_token_stride + heads * k_head_stride + dims, mask=mask)  # [BLOCK_H, BLOCK_D]
-    v = tl.load(v_ptr + i * v_token_stride + heads * v_head_stride + dims, mask=mask)
-    tl.store(k_cache_ptr + cache, k, mask=mask)
-    tl.store(v_cache_ptr + cache, v, mask=mask)
 
 
 @triton.jit
@@ -139,18 +118,6 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # [BLOCK_M, BLOCK_D]; 0 where no key was seen
     tl.store(out_ptr + token[:, None] * out_token_stride + head[:, None] * out_head_stride + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-
-
-def store_kvcache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Write token i's k, v (`[N, num_kv_heads, head_dim]`) into flat slot `slot_mapping[i]` of the caches
-    `[num_blocks, block_size, num_kv_heads, head_dim]`, as attention.store_kvcache does."""
-    num_tokens, num_kv_heads, head_dim = k.shape
-    assert k.stride(-1) == v.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    store_kvcache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1],
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
