@@ -44,9 +44,9 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
 
 
 @triton_attention.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
-      query_start_loc: Tensor, seq_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
-    """The output's shape for torch.compile's tracing: q's, laid out contiguously."""
+def _(q: Tensor, *rest: Tensor | float) -> Tensor:
+    """The output's shape for torch.compile's tracing: q's, laid out contiguously (the other inputs, passed
+    as the op's, do not change it)."""
     return q.new_empty(q.shape)
 
 

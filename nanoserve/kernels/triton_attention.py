@@ -86,8 +86,9 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     last_key = context_len + token - q_start  # [BLOCK_M]: the last key each row sees (bottom-right causal)
     dims = tl.arange(0, BLOCK_D)  # head_dim rounded up to a power of two
     dim_ok = dims < HEAD_DIM
+    q_ok = row_ok[:, None] & dim_ok[None, :]  # [BLOCK_M, BLOCK_D]: the rows and dims q and out hold
     q = tl.load(q_ptr + token[:, None] * q_token_stride + head[:, None] * q_head_stride + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+                mask=q_ok, other=0.0)  # [BLOCK_M, BLOCK_D]
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of each row's scores
     row_sum = tl.zeros([BLOCK_M], tl.float32)                # running sum of exp(score - row_max)
@@ -117,7 +118,7 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         row_max = new_max
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # [BLOCK_M, BLOCK_D]; 0 where no key was seen
     tl.store(out_ptr + token[:, None] * out_token_stride + head[:, None] * out_head_stride + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+             out.to(out_ptr.dtype.element_ty), mask=q_ok)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
@@ -132,13 +133,13 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc
     # tl.dot wants at least 16 rows. A decode-only step has one query per request: a short tile wastes least;
     # prompts fill taller tiles, each key then read once for more queries.
     block_m = max(16 if num_tokens == num_requests else 64, group_p)
-    out = q.new_zeros(num_tokens, num_heads, head_dim)  # rows after query_start_loc[-1], if any, stay 0
+    out = q.new_zeros(q.shape)  # [N, H, D], contiguous; rows after query_start_loc[-1], if any, stay 0
     assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     grid = (num_tokens // (block_m // group_p) + num_requests, num_kv_heads)
     paged_attention_kernel[grid](
         out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_requests, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_cache.shape[1],
+        *q.stride()[:2], *out.stride()[:2],  # token and head strides
+        *k_cache.stride()[:3], block_tables.stride(0), k_cache.shape[1],  # block, slot and head strides
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs 16 or more
         BLOCK_M=block_m, TILE_N=32,
