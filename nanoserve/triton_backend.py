@@ -38,9 +38,9 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
     # imported only when run: triton reads TRITON_INTERPRET as the kernels are defined, and attention.py
     # imports this module
     from nanoserve.attention import store_kvcache
-    from nanoserve.kernels import triton_attention as kernels
+    from nanoserve.kernels.triton_attention import paged_attention
     store_kvcache(k, v, k_cache, v_cache, slot_mapping)
-    return kernels.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+    return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
 
 
 @triton_attention.register_fake
@@ -51,7 +51,8 @@ def _(q: Tensor, *rest: Tensor | float) -> Tensor:
 
 
 class TritonBackend:
-    """Triton kernels on CUDA (or under TRITON_INTERPRET=1): attention.store_kvcache, then one attention launch per layer."""
+    """The Triton kernel on CUDA (or under TRITON_INTERPRET=1): attention.store_kvcache, then one attention
+    launch per layer."""
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
@@ -101,5 +102,6 @@ def choose_backend(name: str, device: torch.device, dtype: torch.dtype, flash_ru
         return "triton"
     if flash_runs:
         return "flash"
-    on_cuda = torch.device(device).type == "cuda"
-    return "triton" if name == "auto" and on_cuda and not why_not_triton(device, dtype) else "torch"
+    if name == "auto" and torch.device(device).type == "cuda" and not why_not_triton(device, dtype):
+        return "triton"
+    return "torch"

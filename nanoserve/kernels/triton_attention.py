@@ -127,7 +127,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc
     attend to its first seq_lens[b] keys, in blocks block_tables[b] of the caches. The grid depends only
     on shapes, never on the lengths' values: a CUDA graph or a compiled step can replay it."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, num_requests = k_cache.shape[2], seq_lens.shape[0]
+    num_kv_heads, num_requests = k_cache.shape[2], len(seq_lens)
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
     # tl.dot wants at least 16 rows. A decode-only step has one query per request: a short tile wastes least;
