@@ -25,8 +25,8 @@ a new tile, so a tile never mixes two requests. One program owns one (query tile
 Causal masks are aligned bottom-right: the request's queries are its last `query_len` tokens, so
 query i (0 = its first) sees key j iff j <= i + seq_len - query_len.
 
-Writing the step's k and v into the cache is not a kernel of this module: the backend's op calls
-attention.store_kvcache (two index_copy_ calls, which CUDA graphs capture and which run on any device).
+Writing the step's k and v into the cache is not a kernel of this module: the backend's op stores them as
+attention.store_kvcache does (two index_copy_ calls, which CUDA graphs capture and which run on any device).
 
 This module imports triton at its top: it is imported only once the triton backend is chosen
 (triton_backend.py), because TRITON_INTERPRET (run the kernels in Triton's interpreter, on a CPU) is
@@ -86,8 +86,9 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     last_key = context_len + token - q_start  # [BLOCK_M]: the last key each row sees (bottom-right causal)
     dims = tl.arange(0, BLOCK_D)  # head_dim rounded up to a power of two
     dim_ok = dims < HEAD_DIM
-    q_ok = row_ok[:, None] & dim_ok[None, :]  # [BLOCK_M, BLOCK_D]: the rows and dims q and out hold
-    q = tl.load(q_ptr + token[:, None] * q_token_stride + head[:, None] * q_head_stride + dims[None, :],
+    # a [n] vector meets a [m, 1] column as a [1, n] row (triton broadcasts as numpy does): rows are written bare
+    q_ok = row_ok[:, None] & dim_ok  # [BLOCK_M, BLOCK_D]: the rows and dims q and out hold
+    q = tl.load(q_ptr + token[:, None] * q_token_stride + head[:, None] * q_head_stride + dims,
                 mask=q_ok, other=0.0)  # [BLOCK_M, BLOCK_D]
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of each row's scores
@@ -101,12 +102,12 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         key_ok = keys < num_keys
         block = tl.load(table + keys // block_size, mask=key_ok, other=0).to(tl.int64)  # [TILE_N]
         cache = block * cache_block_stride + (keys % block_size) * cache_slot_stride + kv_head * cache_head_stride
-        k = tl.load(k_cache_ptr + cache[None, :] + dims[:, None],
-                    mask=dim_ok[:, None] & key_ok[None, :], other=0.0)  # [BLOCK_D, TILE_N]: keys as columns
-        v = tl.load(v_cache_ptr + cache[:, None] + dims[None, :],
-                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, BLOCK_D]
+        k = tl.load(k_cache_ptr + cache + dims[:, None],
+                    mask=dim_ok[:, None] & key_ok, other=0.0)  # [BLOCK_D, TILE_N]: keys as columns
+        v = tl.load(v_cache_ptr + cache[:, None] + dims,
+                    mask=key_ok[:, None] & dim_ok, other=0.0)  # [TILE_N, BLOCK_D]
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N]
-        seen = key_ok[None, :] & (keys[None, :] <= last_key[:, None])  # [BLOCK_M, TILE_N]
+        seen = key_ok & (keys <= last_key[:, None])  # [BLOCK_M, TILE_N]
         scores = tl.where(seen, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))  # [BLOCK_M]
         # a row that has seen no key yet keeps its max at -inf: subtract 0 instead, so exp gives 0, never NaN
@@ -117,7 +118,7 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # [BLOCK_M, BLOCK_D]; 0 where no key was seen
-    tl.store(out_ptr + token[:, None] * out_token_stride + head[:, None] * out_head_stride + dims[None, :],
+    tl.store(out_ptr + token[:, None] * out_token_stride + head[:, None] * out_head_stride + dims,
              out.to(out_ptr.dtype.element_ty), mask=q_ok)
 
 
