@@ -35,11 +35,12 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
                      query_start_loc: Tensor, seq_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
     """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`: the step's k, v written into their slots first,
     so that each query finds its own token's key through the block table like any other."""
-    # imported only when run: triton reads TRITON_INTERPRET as the kernels are defined, and attention.py
-    # imports this module
-    from nanoserve.attention import store_kvcache
+    # imported only when run: triton reads TRITON_INTERPRET as the kernel is defined
     from nanoserve.kernels.triton_attention import paged_attention
-    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    # the store of attention.store_kvcache (attention.py imports this module, so it cannot be imported here):
+    # token i's k, v into row slot_mapping[i] of the caches viewed as [num_blocks * block_size, Hkv, D]
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
     return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
 
 
@@ -51,8 +52,8 @@ def _(q: Tensor, *rest: Tensor | float) -> Tensor:
 
 
 class TritonBackend:
-    """The Triton kernel on CUDA (or under TRITON_INTERPRET=1): attention.store_kvcache, then one attention
-    launch per layer."""
+    """The Triton kernel on CUDA (or under TRITON_INTERPRET=1): the store of attention.store_kvcache, then one
+    attention launch per layer."""
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
