@@ -129,9 +129,9 @@ def plan_attention(batch: Batch, block_size: int, dtype: torch.dtype) -> Attenti
         index = upload(dict(requests=chunk, rows=starts[chunk], seqlens_k=k_lens[chunk]), torch.int64, device)
         num_blocks = cdiv(int(k_lens[chunk[-1]]), block_size)  # the group's longest context
         padding = torch.arange(num_blocks * block_size, device=device) >= index["seqlens_k"][:, None]  # [R, L]
-        bias = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill(padding, float("-inf"))
+        bias = torch.zeros_like(padding, dtype=dtype).masked_fill(padding, float("-inf"))
         table = batch.block_tables.index_select(0, index["requests"])[:, :num_blocks]  # [R, num_blocks]
-        groups.append(DecodeGroup(index["rows"], table, bias[:, None, None, :]))
+        groups.append(DecodeGroup(index["rows"], table, bias[:, None, None]))  # bias as [R, 1, 1, L]
     prefills = []
     for b in np.flatnonzero((q_lens > 1) & (k_lens > 0)).tolist():
         # with seqlen_q >= seqlen_k the first seqlen_q - seqlen_k queries see no key (output 0) and
@@ -204,10 +204,9 @@ class FlashBackend:
         store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
         if batch.is_decode_only:  # N == B: one query per request, all keys already in the cache
             # request b's query attends to its first seq_lens[b] cached tokens, in blocks block_tables[b]
-            out = self.with_kvcache(q.unsqueeze(1), k_cache, v_cache,  # q as [B, 1, H, D]
-                                    cache_seqlens=batch.seq_lens, block_table=batch.block_tables,
-                                    softmax_scale=self.scale, causal=True)
-            return out.squeeze(1)  # [N, H, D]
+            return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache,  # q as [B, 1, H, D]
+                                     cache_seqlens=batch.seq_lens, block_table=batch.block_tables,
+                                     softmax_scale=self.scale, causal=True).squeeze(1)  # [N, H, D]
         # request b's queries are rows query_start_loc[b]:query_start_loc[b + 1] of q; its keys, the
         # first cu_seqlens_k[b + 1] - cu_seqlens_k[b] (= seq_lens[b]) tokens in blocks block_tables[b]
         return self.varlen_func(q, k_cache, v_cache, batch.query_start_loc, batch.cu_seqlens_k,

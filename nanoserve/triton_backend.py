@@ -23,7 +23,7 @@ from nanoserve.batch import Batch
 
 @dataclass(frozen=True)
 class TritonMetadata:
-    """What every layer's attention shares in a step: the Batch's arrays the kernels read, nothing else."""
+    """What every layer's attention shares in a step: the Batch's arrays the store and the kernel read, nothing else."""
     slot_mapping: Tensor     # [N] int64
     query_start_loc: Tensor  # [B+1] int32
     seq_lens: Tensor         # [B] int32
@@ -35,21 +35,25 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
                      query_start_loc: Tensor, seq_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
     """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`: the step's k, v written into their slots first,
     so that each query finds its own token's key through the block table like any other."""
-    # imported only when run: triton reads TRITON_INTERPRET as the kernels are defined
-    from nanoserve.kernels import triton_attention as kernels
-    kernels.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
-    return kernels.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+    # imported only when run: triton reads TRITON_INTERPRET as the kernel is defined
+    from nanoserve.kernels.triton_attention import paged_attention
+    # the store of attention.store_kvcache (attention.py imports this module, so it cannot be imported here):
+    # token i's k, v into row slot_mapping[i] of the caches viewed as [num_blocks * block_size, Hkv, D]
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
 
 
 @triton_attention.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
-      query_start_loc: Tensor, seq_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
-    """The output's shape for torch.compile's tracing: q's, laid out contiguously."""
+def _(q: Tensor, *rest: Tensor | float) -> Tensor:
+    """The output's shape for torch.compile's tracing: q's, laid out contiguously (the other inputs, passed
+    as the op's, do not change it)."""
     return q.new_empty(q.shape)
 
 
 class TritonBackend:
-    """Triton kernels on CUDA (or under TRITON_INTERPRET=1): one store, one attention launch per layer."""
+    """The Triton kernel on CUDA (or under TRITON_INTERPRET=1): the store of attention.store_kvcache, then one
+    attention launch per layer."""
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
@@ -99,5 +103,6 @@ def choose_backend(name: str, device: torch.device, dtype: torch.dtype, flash_ru
         return "triton"
     if flash_runs:
         return "flash"
-    on_cuda = torch.device(device).type == "cuda"
-    return "triton" if name == "auto" and on_cuda and not why_not_triton(device, dtype) else "torch"
+    if name == "auto" and torch.device(device).type == "cuda" and not why_not_triton(device, dtype):
+        return "triton"
+    return "torch"

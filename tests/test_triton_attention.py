@@ -28,7 +28,7 @@ import conftest  # noqa: E402
 from conftest import greedy  # noqa: E402
 from flash_reference import FlashReference  # noqa: E402
 from nanoserve import LLM  # noqa: E402
-from nanoserve.attention import select_attention, store_kvcache  # noqa: E402
+from nanoserve.attention import select_attention  # noqa: E402
 from nanoserve.config import cdiv  # noqa: E402
 from nanoserve.extensions import cuda_graphs  # noqa: E402
 from nanoserve.triton_backend import TritonBackend, interpreting  # noqa: E402
@@ -141,23 +141,6 @@ def test_padding_rows(kernels):
                                                  softmax_scale=0.3, causal=True)[:, 0]
     torch.testing.assert_close(out[:3], expected)
     assert torch.equal(out[5:], torch.zeros(2, 4, 16))
-
-
-@interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_store_kvcache_matches_the_torch_one(kernels, dtype: torch.dtype):
-    """k as the model makes it, a view into one qkv tensor (not contiguous), v contiguous, written into slots
-    crossing blocks; the cache must equal what attention.store_kvcache writes, the null block untouched.
-    Catches k's strides taken for v's, a slot's block or offset computed wrongly, a head or dim dropped."""
-    torch.manual_seed(11)
-    qkv = torch.randn(5, 4 + 2 * 3, 24).to(dtype)  # [N, H + 2 * Hkv, D] with Hkv = 3: not a power of two
-    k, v = qkv[:, 4:7], qkv[:, 7:].contiguous()  # k a view, v not: each read through its own strides
-    slot_mapping = torch.tensor([16, 17, 47, 48, 95], dtype=torch.int64)
-    caches = [torch.zeros(6, 16, 3, 24, dtype=dtype) for _ in range(4)]
-    kernels.store_kvcache(k, v, caches[0], caches[1], slot_mapping)
-    store_kvcache(k, v, caches[2], caches[3], slot_mapping)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-    assert caches[0][0].abs().sum() == 0 and caches[0].abs().sum() > 0
 
 
 @interpreted

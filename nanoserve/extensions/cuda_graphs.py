@@ -68,8 +68,9 @@ class DecodeGraphs:
         n = len(batch.seq_lens)
         static, replay = self.graphs[next(size for size in self.sizes if size >= n)]
         for name, pad in (("input_ids", 0), ("positions", 0), ("slot_mapping", 0), ("seq_lens", 1)):
-            getattr(static, name)[:n] = getattr(batch, name)
-            getattr(static, name)[n:] = pad  # an earlier step with more requests left them here
+            rows = getattr(static, name)  # [size]
+            rows[:n] = getattr(batch, name)
+            rows[n:] = pad  # an earlier step with more requests left them here
         static.block_tables.zero_()
         static.block_tables[:n, :batch.block_tables.shape[1]] = batch.block_tables
         # the replay returns every row's final hidden state, [size, hidden]; lm_head takes the rows that sample

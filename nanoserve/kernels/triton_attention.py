@@ -1,8 +1,8 @@
 """Paged attention in Triton: the step's whole flat batch, prompt chunks and decodes together, in one
 launch per layer, reading every key and value where it sits in the paged KV cache.
 
-The kernels read the Batch's own arrays (batch.py) as tensors: `query_start_loc`, `seq_lens`,
-`block_tables` and `slot_mapping`. No per-request Python runs and no KV is copied out of the cache
+The kernel reads the Batch's own arrays (batch.py) as tensors: `query_start_loc`, `seq_lens` and
+`block_tables`. No per-request Python runs and no KV is copied out of the cache
 (the torch backend in attention.py copies; it stays the plain reference the tests compare with).
 
 Who reads what. The flat batch's N query rows are cut into tiles of BLOCK_Q rows; each request starts
@@ -25,8 +25,8 @@ a new tile, so a tile never mixes two requests. One program owns one (query tile
 Causal masks are aligned bottom-right: the request's queries are its last `query_len` tokens, so
 query i (0 = its first) sees key j iff j <= i + seq_len - query_len.
 
-Writing the step's k and v into the cache is `store_kvcache_kernel`: one program per new token, its
-slot read from `slot_mapping` (the slot's block is slot // block_size, its offset slot % block_size).
+Writing the step's k and v into the cache is not a kernel of this module: the backend's op stores them as
+attention.store_kvcache does (two index_copy_ calls, which CUDA graphs capture and which run on any device).
 
 This module imports triton at its top: it is imported only once the triton backend is chosen
 (triton_backend.py), because TRITON_INTERPRET (run the kernels in Triton's interpreter, on a CPU) is
@@ -38,27 +38,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-
-
-@triton.jit
-def store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                         k_token_stride, k_head_stride, v_token_stride, v_head_stride,
-                         cache_block_stride, cache_slot_stride, cache_head_stride, block_size,
-                         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per new token i: copy its k and v `[num_kv_heads, head_dim]` into the cache's slot
-    `slot_mapping[i]`. BLOCK_H, BLOCK_D: num_kv_heads and head_dim rounded up to powers of two."""
-    i = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + i).to(tl.int64)  # int64: slot * strides can pass 2**31
-    heads = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
-    dims = tl.arange(0, BLOCK_D)[None, :]   # [1, BLOCK_D]
-    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
-    block, offset = slot // block_size, slot % block_size
-    cache = block * cache_block_stride + offset * cache_slot_stride + heads * cache_head_stride + dims
-    k = tl.load(k_ptr + i * k_token_stride + heads * k_head_stride + dims, mask=mask)  # [BLOCK_H, BLOCK_D]
-    v = tl.load(v_ptr + i * v_token_stride + heads * v_head_stride + dims, mask=mask)
-    tl.store(k_cache_ptr + cache, k, mask=mask)
-    tl.store(v_cache_ptr + cache, v, mask=mask)
 
 
 @triton.jit
@@ -107,8 +86,10 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     last_key = context_len + token - q_start  # [BLOCK_M]: the last key each row sees (bottom-right causal)
     dims = tl.arange(0, BLOCK_D)  # head_dim rounded up to a power of two
     dim_ok = dims < HEAD_DIM
-    q = tl.load(q_ptr + token[:, None] * q_token_stride + head[:, None] * q_head_stride + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    # a [n] vector meets a [m, 1] column as a [1, n] row (triton broadcasts as numpy does): rows are written bare
+    q_ok = row_ok[:, None] & dim_ok  # [BLOCK_M, BLOCK_D]: the rows and dims q and out hold
+    q = tl.load(q_ptr + token[:, None] * q_token_stride + head[:, None] * q_head_stride + dims,
+                mask=q_ok, other=0.0)  # [BLOCK_M, BLOCK_D]
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of each row's scores
     row_sum = tl.zeros([BLOCK_M], tl.float32)                # running sum of exp(score - row_max)
@@ -121,12 +102,12 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         key_ok = keys < num_keys
         block = tl.load(table + keys // block_size, mask=key_ok, other=0).to(tl.int64)  # [TILE_N]
         cache = block * cache_block_stride + (keys % block_size) * cache_slot_stride + kv_head * cache_head_stride
-        k = tl.load(k_cache_ptr + cache[None, :] + dims[:, None],
-                    mask=dim_ok[:, None] & key_ok[None, :], other=0.0)  # [BLOCK_D, TILE_N]: keys as columns
-        v = tl.load(v_cache_ptr + cache[:, None] + dims[None, :],
-                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, BLOCK_D]
+        k = tl.load(k_cache_ptr + cache + dims[:, None],
+                    mask=dim_ok[:, None] & key_ok, other=0.0)  # [BLOCK_D, TILE_N]: keys as columns
+        v = tl.load(v_cache_ptr + cache[:, None] + dims,
+                    mask=key_ok[:, None] & dim_ok, other=0.0)  # [TILE_N, BLOCK_D]
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N]
-        seen = key_ok[None, :] & (keys[None, :] <= last_key[:, None])  # [BLOCK_M, TILE_N]
+        seen = key_ok & (keys <= last_key[:, None])  # [BLOCK_M, TILE_N]
         scores = tl.where(seen, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))  # [BLOCK_M]
         # a row that has seen no key yet keeps its max at -inf: subtract 0 instead, so exp gives 0, never NaN
@@ -137,20 +118,8 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # [BLOCK_M, BLOCK_D]; 0 where no key was seen
-    tl.store(out_ptr + token[:, None] * out_token_stride + head[:, None] * out_head_stride + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-
-
-def store_kvcache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Write token i's k, v (`[N, num_kv_heads, head_dim]`) into flat slot `slot_mapping[i]` of the caches
-    `[num_blocks, block_size, num_kv_heads, head_dim]`, as attention.store_kvcache does."""
-    num_tokens, num_kv_heads, head_dim = k.shape
-    assert k.stride(-1) == v.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    store_kvcache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1],
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+    tl.store(out_ptr + token[:, None] * out_token_stride + head[:, None] * out_head_stride + dims,
+             out.to(out_ptr.dtype.element_ty), mask=q_ok)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
@@ -159,19 +128,19 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc
     attend to its first seq_lens[b] keys, in blocks block_tables[b] of the caches. The grid depends only
     on shapes, never on the lengths' values: a CUDA graph or a compiled step can replay it."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, num_requests = k_cache.shape[2], seq_lens.shape[0]
+    num_kv_heads, num_requests = k_cache.shape[2], len(seq_lens)
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
     # tl.dot wants at least 16 rows. A decode-only step has one query per request: a short tile wastes least;
     # prompts fill taller tiles, each key then read once for more queries.
     block_m = max(16 if num_tokens == num_requests else 64, group_p)
-    out = q.new_zeros(num_tokens, num_heads, head_dim)  # rows after query_start_loc[-1], if any, stay 0
+    out = q.new_zeros(q.shape)  # [N, H, D], contiguous; rows after query_start_loc[-1], if any, stay 0
     assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     grid = (num_tokens // (block_m // group_p) + num_requests, num_kv_heads)
     paged_attention_kernel[grid](
         out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_requests, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_cache.shape[1],
+        *q.stride()[:2], *out.stride()[:2],  # token and head strides
+        *k_cache.stride()[:3], block_tables.stride(0), k_cache.shape[1],  # block, slot and head strides
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs 16 or more
         BLOCK_M=block_m, TILE_N=32,

@@ -72,6 +72,5 @@ def pack_linears(model: nn.Module, max_num_seqs: int) -> nn.Module:
             # x @ weight.T is then MKL's plain (not transposed) GEMM, faster at one-row decode.
             module.weight = nn.Parameter(module.weight.t().contiguous().t(), requires_grad=False)
         elif layout == "packed":
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent), leaf, PackedLinear(module))
+            model.set_submodule(name, PackedLinear(module))
     return model

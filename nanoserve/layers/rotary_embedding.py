@@ -52,11 +52,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", compute_inv_freq(rope_parameters, head_dim), persistent=False)  # [D/2]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq  # [N, D/2]
+        freqs = positions[:, None, None].float() * self.inv_freq  # [N, 1, D/2]: the 1 broadcasts over heads
         cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)  # cast like HF does: q * cos runs in the model's dtype
-        # HF's "rotate_half" layout: dim j pairs with dim j + D/2, so both halves share a frequency. sin
-        # comes signed, [-sin, sin], for `apply_rope`. [N, 1, D] each: broadcast over heads.
-        return torch.cat((cos, cos), dim=-1)[:, None], torch.cat((-sin, sin), dim=-1)[:, None]
+        # HF's "rotate_half" layout: dim j pairs with dim j + D/2, so both halves share a frequency: cos is
+        # [cos, cos], sin comes signed, [-sin, sin], for `apply_rope`. [N, 1, D] each.
+        return cos.repeat(1, 1, 2), torch.cat((-sin, sin), -1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
