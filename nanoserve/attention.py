@@ -22,13 +22,14 @@ Invariants both backends keep:
   * a query that sees no key at all gets a zero output, as flash-attn returns.
 
 Two backends share one shape: `prepare(batch, block_size, dtype)` once per step, which returns what
-every layer's attention shares (its metadata), and `forward(q, k, v, k_cache, v_cache, metadata)`
-per layer. "flash" calls the flash-attn package's kernels (CUDA). "torch" runs anywhere, in plain
-PyTorch: its metadata is an `AttentionPlan` (which requests attend together, the blocks each reads,
-the masks), built from the host-side lengths by `plan_attention`. Decode rows are sorted by context
-length and attended in groups of ~8, each padded only to its own longest context; a prompt (chunk)
-is attended on its own. tests/flash_reference.py holds the plain per-request formulation that
-both are checked against.
+every layer's attention shares (its metadata), and `forward(q, k, v, kv_cache, layer, metadata)` per
+layer: the whole cache and the layer's index, each backend taking `kv_cache[0, layer]` and `kv_cache[1,
+layer]` itself (why: models/llama.py). "flash" calls the flash-attn package's kernels (CUDA). "torch"
+runs anywhere, in plain PyTorch: its metadata is an `AttentionPlan` (which requests attend together, the
+blocks each reads, the masks), built from the host-side lengths by `plan_attention`. Decode rows are
+sorted by context length and attended in groups of ~8, each padded only to its own longest context; a
+prompt (chunk) is attended on its own. tests/flash_reference.py holds the plain per-request formulation
+that both are checked against.
 """
 from __future__ import annotations
 
@@ -176,9 +177,9 @@ class TorchBackend:
     def prepare(self, batch: Batch, block_size: int, dtype: torch.dtype) -> AttentionPlan:
         return plan_attention(batch, block_size, dtype)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                plan: AttentionPlan) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, plan: AttentionPlan) -> Tensor:
         """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`."""
+        k_cache, v_cache = kv_cache[:, layer]  # this layer's [num_blocks, block_size, Hkv, D] each
         store_kvcache(k, v, k_cache, v_cache, plan.slot_mapping)
         return paged_attention(q, k_cache, v_cache, plan, self.scale)
 
@@ -198,9 +199,10 @@ class FlashBackend:
     def prepare(self, batch: Batch, block_size: int, dtype: torch.dtype) -> Batch:
         return batch
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, batch: Batch) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, batch: Batch) -> Tensor:
         """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`. `slot_mapping` goes to store_kvcache only:
         flash-attn finds every key, new ones included, through `block_tables`."""
+        k_cache, v_cache = kv_cache[:, layer]  # this layer's [num_blocks, block_size, Hkv, D] each
         store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
         if batch.is_decode_only:  # N == B: one query per request, all keys already in the cache
             # request b's query attends to its first seq_lens[b] cached tokens, in blocks block_tables[b]

@@ -30,11 +30,12 @@ class TritonMetadata:
     block_tables: Tensor     # [B, max_blocks] int32
 
 
-@torch.library.custom_op("nanoserve::triton_attention", mutates_args=("k_cache", "v_cache"))
-def triton_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+@torch.library.custom_op("nanoserve::triton_attention", mutates_args=("kv_cache",))
+def triton_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, slot_mapping: Tensor,
                      query_start_loc: Tensor, seq_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
-    """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`: the step's k, v written into their slots first,
-    so that each query finds its own token's key through the block table like any other."""
+    """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`: the step's k, v written into their slots of layer
+    `layer` first, so that each query finds its own token's key through the block table like any other."""
+    k_cache, v_cache = kv_cache[:, layer]  # views taken inside the op: it declares the whole cache mutated
     # imported only when run: triton reads TRITON_INTERPRET as the kernel is defined
     from nanoserve.kernels.triton_attention import paged_attention
     # the store of attention.store_kvcache (attention.py imports this module, so it cannot be imported here):
@@ -61,10 +62,10 @@ class TritonBackend:
     def prepare(self, batch: Batch, block_size: int, dtype: torch.dtype) -> TritonMetadata:
         return TritonMetadata(batch.slot_mapping, batch.query_start_loc, batch.seq_lens, batch.block_tables)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int,
                 metadata: TritonMetadata) -> Tensor:
         """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`, in one custom op (triton_attention)."""
-        return torch.ops.nanoserve.triton_attention(q, k, v, k_cache, v_cache, metadata.slot_mapping,
+        return torch.ops.nanoserve.triton_attention(q, k, v, kv_cache, layer, metadata.slot_mapping,
                                                     metadata.query_start_loc, metadata.seq_lens,
                                                     metadata.block_tables, self.scale)
 

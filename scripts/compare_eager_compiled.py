@@ -1,6 +1,9 @@
 """Eager against compiled (enforce_eager), both engines in one process, run in turns:
 
-    python scripts/compare_eager_compiled.py MODEL DTYPE REQUESTS [ROUNDS]
+    python scripts/compare_eager_compiled.py MODEL DTYPE REQUESTS [ROUNDS] [--plain]
+
+--plain: the compiled engine's linears are plain nn.Linear (not layers/linear.py's layouts), which
+inductor's freezing lays out itself.
 
 Each round times REQUESTS requests of 96 random prompt tokens generating 48 tokens and then 1 token,
 on each engine in turn; a decode step is the difference over 47 steps. Prints each engine's median ms
@@ -11,8 +14,10 @@ import random
 import statistics
 import sys
 import time
+from unittest import mock
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.models import loader
 
 PROMPT_LEN, NUM_TOKENS = 96, 48
 
@@ -26,11 +31,15 @@ def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float
 
 def main() -> None:
     path, dtype, num_requests = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 3
+    rounds = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4].isdigit() else 3
     engines, start_seconds = {}, {}
     for name in ("eager", "compiled"):
         start = time.perf_counter()
-        engines[name] = LLM(path, dtype=dtype, enforce_eager=name == "eager", max_num_seqs=max(num_requests, 2))
+        if name == "compiled" and "--plain" in sys.argv:  # nn.Linear weights: inductor's freezing lays them out
+            with mock.patch.object(loader, "pack_linears", lambda model, max_num_seqs: model):
+                engines[name] = LLM(path, dtype=dtype, enforce_eager=False, max_num_seqs=max(num_requests, 2))
+        else:
+            engines[name] = LLM(path, dtype=dtype, enforce_eager=name == "eager", max_num_seqs=max(num_requests, 2))
         start_seconds[name] = time.perf_counter() - start
     assert engines["compiled"].engine.model_runner.compiled, "the compiled engine fell back to eager"
     rng = random.Random(0)

@@ -12,7 +12,9 @@ Invariants:
 - `model(batch, kv_cache)` returns float32 logits `[S, vocab]` for the rows `batch.logits_indices`
   only: the final norm and lm_head (the largest matmul for a small model) skip every prompt token
   that does not sample now.
-- Layer i reads and writes only `kv_cache[0, i]` (keys) and `kv_cache[1, i]` (values).
+- Layer i reads and writes only `kv_cache[0, i]` (keys) and `kv_cache[1, i]` (values). It hands the
+  backend the whole cache and its index i, not those two views: the compiled step (compilation.py) calls
+  attention as one op, and an op that writes into views of a compiled graph's input loses its writes.
 - q, k, v are one fused matmul (`qkv_proj`), gate and up another (`gate_up_proj`); the loader
   (loader.py) stacks the checkpoint's separate tensors (weights, and biases where there are any)
   on the output dim as `CHECKPOINT_MODULES` says, so the math is unchanged.
@@ -66,8 +68,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * head_dim, config.hidden_size, bias=False)  # this rank's heads in
         self.attention = attention  # the model's one backend, shared by every layer
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
-                v_cache: Tensor, metadata: AttentionMetadata) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, layer: int,
+                metadata: AttentionMetadata) -> Tensor:
         H, Hkv = self.num_heads, self.num_kv_heads
         # [N, H + 2 * Hkv, D] -> [N, H + Hkv, D], [N, Hkv, D]
         qk, v = self.qkv_proj(x).view(-1, H + 2 * Hkv, self.family.head_dim).split([H + Hkv, Hkv], dim=1)
@@ -75,7 +77,7 @@ class LlamaAttention(nn.Module):
             qk = norm_heads(qk, H, self.q_norm, self.k_norm)
         # q and k heads side by side get the same rotation: one pass over both, not two
         q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=1)  # [N, H, D], [N, Hkv, D]
-        out = self.attention.forward(q, k, v, k_cache, v_cache, metadata)  # [N, H, D]
+        out = self.attention.forward(q, k, v, kv_cache, layer, metadata)  # [N, H, D]
         # [N, H * D] -> [N, hidden]: the sum over every rank's heads
         return all_reduce(self.o_proj(out.flatten(1)), self.shard)
 
@@ -103,9 +105,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, shard)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
-                v_cache: Tensor, metadata: AttentionMetadata) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, metadata)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, layer: int,
+                metadata: AttentionMetadata) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer, metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -124,16 +126,21 @@ class LlamaModel(nn.Module):
 
     def forward(self, batch: Batch, kv_cache: Tensor) -> Tensor:
         """Final hidden states `[S, hidden]` of the rows `batch.logits_indices`."""
-        x = embed(batch.input_ids, self.embed_tokens.weight, self.shard)  # [N, hidden]
-        cos, sin = self.rotary(batch.positions, x.dtype)  # [N, 1, D] each, shared by every layer
-        # What attention needs from the batch is the same in every layer too: prepared once per step
+        # What attention needs from the batch is the same in every layer: prepared once per step
         # (for the torch backend, which requests attend together, their blocks and masks).
-        metadata = self.attention.prepare(batch, block_size=kv_cache.shape[3], dtype=x.dtype)
+        metadata = self.attention.prepare(batch, block_size=kv_cache.shape[3], dtype=kv_cache.dtype)
+        return self.run_layers(batch.input_ids, batch.positions, batch.logits_indices, kv_cache, metadata)
+
+    def run_layers(self, input_ids: Tensor, positions: Tensor, logits_indices: Tensor, kv_cache: Tensor,
+                   metadata: AttentionMetadata) -> Tensor:
+        """The step's tensor work, embeddings to the final norm: what the compiled step compiles whole."""
+        x = embed(input_ids, self.embed_tokens.weight, self.shard)  # [N, hidden]
+        cos, sin = self.rotary(positions, x.dtype)  # [N, 1, D] each, shared by every layer
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], metadata)
+            x = layer(x, cos, sin, kv_cache, i, metadata)
         # Only sampling rows need the final norm (and lm_head after it): all rows' k and v are
         # already in the cache, which is all later steps need from the others.
-        return self.norm(x[batch.logits_indices])  # [S, hidden]
+        return self.norm(x[logits_indices])  # [S, hidden]
 
 
 class LlamaForCausalLM(nn.Module):
