@@ -30,8 +30,8 @@ class ModelRunner:
     def __init__(self, config: Config, device: torch.device, max_model_len: int, shard: Shard = Shard(),
                  seams: Seams = Seams()) -> None:
         self.shard, self.device, self.logits_processor = shard, device, seams.logits_processor
-        self.dtype = resolve_dtype(config.dtype, device, config.model)
         hf_config = read_config(config.model)
+        self.dtype = resolve_dtype(config.dtype, device, hf_config.dtype)
         self.backend, self.block_size = select_attention(config.attention_backend, config.block_size, device,
                                                          self.dtype, get_head_dim(hf_config))
         self.model = load_model(config.model, self.dtype, device, self.backend, shard, config.max_num_seqs,

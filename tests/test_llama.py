@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, MistralConfig, PreTrainedModel, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, GPT2Config, MistralConfig, PreTrainedModel, Qwen2Config, Qwen3Config
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from conftest import FAMILIES, build_tiny_model, save_tiny_model
@@ -368,10 +368,11 @@ def test_wrong_shape(tmp_path: Path) -> None:
         load(tmp_path)
 
 
-def write_config(folder: Path, **fields: object) -> str:
+def write_config(folder: Path, **fields: object) -> torch.dtype | None:
+    """A config.json with these fields, read back as the engine reads it: the dtype resolve_dtype gets."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", **fields}))
-    return str(folder)
+    return AutoConfig.from_pretrained(folder).dtype
 
 
 def test_auto_dtype_follows_the_checkpoint(tmp_path, monkeypatch):
