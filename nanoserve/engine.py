@@ -55,7 +55,7 @@ class LLMEngine:
         runner = ModelRunner if config.tensor_parallel_size == 1 else seams.tensor_parallel  # parallel.py's
         self.model_runner = runner(config, self.device, self.max_model_len, checkpoint, seams=seams)
         try:  # with tensor parallelism, a failure from here on must stop the workers just started
-            self.vocab_size = self.model_runner.model.vocab_size
+            self.vocab_size = hf_config.vocab_size
             num_blocks, self.block_size = self.model_runner.num_blocks, self.model_runner.block_size
             if num_blocks - 1 < cdiv(self.max_model_len, self.block_size):
                 raise ValueError(

@@ -32,14 +32,14 @@ class TensorParallelRunner(ModelRunner):
 
     def __init__(self, config: Config, device: torch.device, max_model_len: int, checkpoint: Checkpoint,
                  seams: Seams) -> None:
-        shard = Shard(0, config.tensor_parallel_size)
+        shard, device = Shard(0, config.tensor_parallel_size), rank_device(device, 0)  # as each worker's
         self.workers = Workers(config, max_model_len, device, seams.weight_transform)
         # at close(), or once this runner is garbage (an LLM dropped without close()); only once
         self.release = weakref.finalize(self, self.workers.close)
         try:
             self.workers.wait_until_started()
-            join_group(shard, self.workers.store, rank_device(device, 0))
-            super().__init__(config, rank_device(device, 0), max_model_len, checkpoint, shard, seams)
+            join_group(shard, self.workers.store, device)
+            super().__init__(config, device, max_model_len, checkpoint, shard, seams)
             dist.barrier()  # every rank has its shard and cache: a worker's failure shows here
         except BaseException as error:
             self.stop_workers_after(error)
