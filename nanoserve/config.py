@@ -5,12 +5,14 @@ is computed once, where it is needed, and passed on as an argument or held by it
 - device (`device.resolve_device`: cuda if available, else cpu) -> the engine, the model runner;
 - max_model_len (the model's max_position_embeddings unless given: `LLMEngine.__init__`) -> the
   scheduler (length stop, static reservation) and the model runner (cache sizing);
-- dtype (`device.resolve_dtype`: the checkpoint's; on CUDA bfloat16, float16 below sm80; on a CPU a
-  bfloat16 checkpoint stays bfloat16 only where its matmuls beat float32, AMX on x86, else float32),
+- dtype (`device.resolve_dtype`: the checkpoint's, as transformers parsed it from config.json; on CUDA
+  bfloat16, float16 below sm80; on a CPU a bfloat16 checkpoint stays bfloat16 only where its matmuls beat
+  float32, AMX on x86, else float32),
   the attention backend and the block_size (`attention.select_attention`: flash and 256 where
   flash-attn 2 runs, else torch and 16) -> the model runner, which loads the model with them;
   block_size also -> the engine, the scheduler;
-- the model's family (`models.families.describe`, by config.json's `architectures`) -> the model runner;
+- config.json, read once with the model's family (`models.loader.read_checkpoint`, `models.families.describe`
+  by config.json's `architectures`) -> the model runner, which loads the model with them;
 - on a CPU, each linear layer's weight layout (`layers.linear.choose_linear`, from the dtype, what
   oneDNN does on this CPU and max_num_seqs; applied at load by `pack_linears`), or int8 weights with
   `quantization` (quantization.py) -> the model;

@@ -2,11 +2,9 @@
 Decided once at start-up from the Config and the machine (see config.py for every derived value)."""
 from __future__ import annotations
 
-import json
 import logging
 import platform
 import warnings
-from pathlib import Path
 
 import numpy as np
 import psutil
@@ -32,19 +30,17 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device, model: str | None = None) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, saved: torch.dtype | None = None) -> torch.dtype:
     """Config's dtype name -> torch dtype. "auto" follows the checkpoint, as transformers and vLLM do:
-    the `dtype` (or older `torch_dtype`) in `model`'s config.json, float32 where it names none; on
+    `saved`, the checkpoint's config.json's `dtype` (or older `torch_dtype`) as transformers parses it
+    (`PretrainedConfig.dtype`), float32 where it names none or another dtype; on
     CUDA float32 becomes bfloat16 (flash-attn needs 16 bits), or float16 below compute capability 8.0,
     which has no bfloat16 tensor cores (vLLM's rule). On a CPU "auto" keeps bfloat16 only where its
     matmuls beat float32 at batch decode (AMX on x86: `why_not_native_bf16(batched=True)` is None), else
     runs float32 and logs that reason; a bfloat16 asked for by name obeys, with a warning where it is
     emulated, naming why."""
     if name == "auto":
-        config_file = Path(model or "", "config.json")
-        saved = json.loads(config_file.read_text()) if model and config_file.is_file() else {}
-        saved_name = saved.get("dtype") or saved.get("torch_dtype")
-        dtype = getattr(torch, saved_name) if saved_name in ("float32", "bfloat16", "float16") else torch.float32
+        dtype = saved if saved in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
         if device.type == "cuda" and dtype != torch.float16:
             dtype = torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
     else:

@@ -23,7 +23,7 @@ from nanoserve.device import resolve_device
 from nanoserve.distributed import check_tensor_parallel
 from nanoserve.model_runner import ModelRunner
 from nanoserve.models.families import check_max_model_len
-from nanoserve.models.loader import read_config
+from nanoserve.models.loader import read_checkpoint
 from nanoserve.outputs import RequestOutput, StepResult, request_delta, request_output
 from nanoserve.sampler import InvalidRequest, SamplingParams, require
 from nanoserve.sampling_params import uses_processors
@@ -43,18 +43,19 @@ class LLMEngine:
     def __init__(self, config: Config, seams: Seams = Seams()) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        hf_config = read_config(config.model)
+        checkpoint = read_checkpoint(config.model)  # config.json, read once: the runner gets it too
+        hf_config = checkpoint.config
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
-        check_max_model_len(hf_config, self.max_model_len)  # within max_position_embeddings and any sliding window
+        check_max_model_len(hf_config, checkpoint.family, self.max_model_len)  # positions, any sliding window
         # A block longer than the longest request wastes most of its slots; 256 (flash-attn's page) always fits.
         if config.block_size != "auto" and config.block_size > max(self.max_model_len, 256):
             raise ValueError(f"block_size={config.block_size} is larger than max_model_len={self.max_model_len} "
                              f"and than 256, flash-attn's page size")
         check_tensor_parallel(config.tensor_parallel_size, hf_config, self.device)
         runner = ModelRunner if config.tensor_parallel_size == 1 else seams.tensor_parallel  # parallel.py's
-        self.model_runner = runner(config, self.device, self.max_model_len, seams=seams)
+        self.model_runner = runner(config, self.device, self.max_model_len, checkpoint, seams=seams)
         try:  # with tensor parallelism, a failure from here on must stop the workers just started
-            self.vocab_size = self.model_runner.model.vocab_size
+            self.vocab_size = hf_config.vocab_size
             num_blocks, self.block_size = self.model_runner.num_blocks, self.model_runner.block_size
             if num_blocks - 1 < cdiv(self.max_model_len, self.block_size):
                 raise ValueError(

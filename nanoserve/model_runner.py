@@ -14,8 +14,7 @@ from nanoserve.batch import Batch, build_batch, prompt_logprob_positions, sampli
 from nanoserve.config import CPU_KV_CACHE_FRACTION, Config, cdiv
 from nanoserve.device import free_memory, resolve_dtype
 from nanoserve.distributed import Shard, broadcast_from_rank0
-from nanoserve.models import get_head_dim
-from nanoserve.models.loader import load_model, read_config
+from nanoserve.models.loader import Checkpoint, load_model
 from nanoserve.sampler import SamplerOutput, SamplingParams, TokenLogprobs, sample, top_logprobs
 from nanoserve.seams import Seams
 from nanoserve.sequence import ScheduledSeq, Sequence
@@ -24,17 +23,18 @@ from nanoserve.tokenizer import read_eos_token_ids
 
 class ModelRunner:
     """Loads the model (`shard`'s part of it) and a KV cache on `device`, and runs one Batch per step;
-    rank 0's samples. Where the ranks of a group run, they must be in it already (parallel.py). `seams`: the
+    rank 0's samples. `checkpoint`: its config.json as the engine read it (loader.py), from which the dtype,
+    head_dim and the model follow. Where the ranks of
+    a group run, they must be in it already (parallel.py). `seams`: the
     extensions that enter here (seams.py): the weight transform, the step executor, the logits processor."""
 
-    def __init__(self, config: Config, device: torch.device, max_model_len: int, shard: Shard = Shard(),
-                 seams: Seams = Seams()) -> None:
+    def __init__(self, config: Config, device: torch.device, max_model_len: int, checkpoint: Checkpoint,
+                 shard: Shard = Shard(), seams: Seams = Seams()) -> None:
         self.shard, self.device, self.logits_processor = shard, device, seams.logits_processor
-        self.dtype = resolve_dtype(config.dtype, device, config.model)
-        hf_config = read_config(config.model)
+        self.dtype = resolve_dtype(config.dtype, device, checkpoint.config.dtype)
         self.backend, self.block_size = select_attention(config.attention_backend, config.block_size, device,
-                                                         self.dtype, get_head_dim(hf_config))
-        self.model = load_model(config.model, self.dtype, device, self.backend, shard, config.max_num_seqs,
+                                                         self.dtype, checkpoint.family.head_dim)
+        self.model = load_model(checkpoint, self.dtype, device, self.backend, shard, config.max_num_seqs,
                                 seams.weight_transform)
         # not enforce_eager: compiled now, before any request, or eager after one log line (compilation.py)
         self.compiled = seams.executor.compile(self)
@@ -52,7 +52,7 @@ class ModelRunner:
         self.kv_cache = self.allocate_kv_cache(self.num_blocks)
         # decode steps' own runner (CUDA graphs, not enforce_eager), or None: the model runs them
         self.graphs = seams.executor.capture(self, max_model_len)
-        self.eos_token_ids = read_eos_token_ids(config.model, hf_config)  # min_tokens bans them
+        self.eos_token_ids = read_eos_token_ids(config.model, checkpoint.config)  # min_tokens bans them
 
     def allocate_kv_cache(self, num_blocks: int, device: torch.device | str | None = None) -> torch.Tensor:
         """[2 (k and v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]: flash-attn's paged

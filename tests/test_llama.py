@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, MistralConfig, PreTrainedModel, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, GPT2Config, MistralConfig, PreTrainedModel, Qwen2Config, Qwen3Config
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from conftest import FAMILIES, build_tiny_model, save_tiny_model
@@ -33,7 +33,7 @@ from nanoserve.layers.linear import PackedLinear
 from nanoserve.layers.rotary_embedding import RotaryEmbedding, apply_rope
 from nanoserve.models import get_head_dim, loader
 from nanoserve.models.families import MODELS, Family, describe
-from nanoserve.models.loader import load_model
+from nanoserve.models.loader import load_model, read_checkpoint
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -91,7 +91,7 @@ def reference_logits(hf_model: PreTrainedModel, tokens: list[int]) -> torch.Tens
 
 
 def run_prefill(path: Path, tokens: list[int]) -> torch.Tensor:
-    model = load_model(str(path), torch.float32, torch.device("cpu"), "torch")
+    model = load_model(read_checkpoint(str(path)), torch.float32, torch.device("cpu"), "torch")
     with torch.inference_mode():
         return model(make_batch([tokens]), empty_kv_cache(model))  # [n, vocab]
 
@@ -119,7 +119,7 @@ def test_tied_checkpoint_has_no_lm_head(tmp_path: Path, monkeypatch: pytest.Monk
     save_model(tmp_path, tie_word_embeddings=True)
     assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
     monkeypatch.setattr(linear, "choose_linear", lambda dtype, max_num_seqs: "column_major")
-    model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
+    model = load_model(read_checkpoint(str(tmp_path)), torch.float32, torch.device("cpu"), "torch")
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.lm_head.weight.is_contiguous()  # row-major, as the embedding's row lookups want it
 
@@ -137,7 +137,7 @@ def test_every_linear_layout_matches_transformers(tmp_path: Path, monkeypatch: p
         pytest.skip("oneDNN float32 is used (and measured) on x86 only")
     hf_model = save_model(tmp_path, family=family, tie_word_embeddings=tied)
     monkeypatch.setattr(linear, "choose_linear", lambda dtype, max_num_seqs: layout)
-    model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
+    model = load_model(read_checkpoint(str(tmp_path)), torch.float32, torch.device("cpu"), "torch")
     linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
     assert len(linears) == 2 * 4 + 1  # 4 per layer + lm_head
     if layout == "packed":
@@ -202,7 +202,7 @@ def test_sharded_checkpoint(tmp_path: Path) -> None:
 
 def test_logits_only_for_logits_indices(tmp_path: Path) -> None:
     hf_model = save_model(tmp_path)
-    model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
+    model = load_model(read_checkpoint(str(tmp_path)), torch.float32, torch.device("cpu"), "torch")
     batch = make_batch([PROMPT])
     last_row = dataclasses.replace(batch, logits_indices=torch.tensor([len(PROMPT) - 1]))
     with torch.inference_mode():
@@ -214,7 +214,7 @@ def test_logits_only_for_logits_indices(tmp_path: Path) -> None:
 def test_batched_prefill_then_decode(tmp_path: Path) -> None:
     """Two requests in one prefill, then one decode step each reading the cache the prefill wrote."""
     hf_model = save_model(tmp_path, rope_parameters=LLAMA3_ROPE)
-    model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), "torch")
+    model = load_model(read_checkpoint(str(tmp_path)), torch.float32, torch.device("cpu"), "torch")
     prompts = [PROMPT, [5, 6, 7, 8, 9]]
     kv_cache = empty_kv_cache(model)
     with torch.inference_mode():
@@ -228,7 +228,7 @@ def test_batched_prefill_then_decode(tmp_path: Path) -> None:
 
 def test_bfloat16_load(tmp_path: Path) -> None:
     save_model(tmp_path)
-    model = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
+    model = load_model(read_checkpoint(str(tmp_path)), torch.bfloat16, torch.device("cpu"), "torch")
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert model.model.rotary.inv_freq.dtype == torch.float32  # RoPE angles stay float32
 
@@ -240,9 +240,9 @@ def test_packed_linears_equal_nn_linear(tmp_path: Path, monkeypatch: pytest.Monk
     bit, as the reference nn.Linear model, for a prefill and a decode step. Catches a packed weight
     that is transposed, rounded or lost its tie to the embedding, or a bias (Qwen2's) left out."""
     save_model(tmp_path, family=family, tie_word_embeddings=True)
-    packed = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
+    packed = load_model(read_checkpoint(str(tmp_path)), torch.bfloat16, torch.device("cpu"), "torch")
     monkeypatch.setattr(loader, "pack_linears", lambda model, max_num_seqs: model)  # the reference: plain nn.Linear
-    plain = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"), "torch")
+    plain = load_model(read_checkpoint(str(tmp_path)), torch.bfloat16, torch.device("cpu"), "torch")
     assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 2 * 4 + 1  # 4 per layer + lm_head
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())
     logits = []
@@ -259,7 +259,7 @@ def test_packed_linears_equal_nn_linear(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def load(path: Path) -> None:
-    load_model(str(path), torch.float32, torch.device("cpu"), "torch")
+    load_model(read_checkpoint(str(path)), torch.float32, torch.device("cpu"), "torch")
 
 
 def test_missing_folder(tmp_path: Path) -> None:
@@ -368,10 +368,11 @@ def test_wrong_shape(tmp_path: Path) -> None:
         load(tmp_path)
 
 
-def write_config(folder: Path, **fields: object) -> str:
+def write_config(folder: Path, **fields: object) -> torch.dtype | None:
+    """A config.json with these fields, read back as the engine reads it: the dtype resolve_dtype gets."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", **fields}))
-    return str(folder)
+    return AutoConfig.from_pretrained(folder).dtype
 
 
 def test_auto_dtype_follows_the_checkpoint(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from conftest import greedy
 from nanoserve import LLM
 from nanoserve.config import Config
 from nanoserve.extensions.quantization import Int8Linear, check_kernel, quantize_linears
-from nanoserve.models.loader import load_model
+from nanoserve.models.loader import load_model, read_checkpoint
 
 
 def quantize_by_hand(weight: torch.Tensor) -> torch.Tensor:
@@ -100,7 +100,7 @@ def test_int8_logits_are_the_dequantized_models(tiny_models, tmp_path, model):
     weights and measurably apart from the float model's (so a layer left in float would fail)."""
     path = tiny_models[model]
     int8 = partial(quantize_linears, quantization="int8")  # the weight transform seam (seams.py)
-    net = load_model(path, torch.float32, torch.device("cpu"), "torch", transform=int8)
+    net = load_model(read_checkpoint(path), torch.float32, torch.device("cpu"), "torch", transform=int8)
     kv_cache = torch.zeros(2, net.num_layers, 16, 4, net.num_kv_heads, net.head_dim)
     with torch.inference_mode():
         ours = net(make_batch([PROMPT]), kv_cache)  # [n, vocab]

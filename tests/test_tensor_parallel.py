@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_engine import MAX_TOKENS, PROMPTS
+from transformers import PretrainedConfig
 
 import conftest
 from conftest import greedy
@@ -23,11 +24,16 @@ from nanoserve.config import Config
 from nanoserve.distributed import Shard, check_tensor_parallel
 from nanoserve.extensions.parallel import Workers
 from nanoserve.models import loader
-from nanoserve.models.loader import load_model, read_config
+from nanoserve.models.loader import load_model, read_checkpoint
 
 # Chunked prefill (8 tokens a step), preemption (18 blocks of 4 for 6 requests) and prefix-cache
 # hits (prompts 3 and 4 share a prefix with prompt 0) in one run.
 PRESSURE = dict(block_size=4, max_num_batched_tokens=8, num_kvcache_blocks=18, max_model_len=64)
+
+
+def read_config(path: str) -> PretrainedConfig:
+    """The checkpoint's config.json, as the engine reads it (`read_checkpoint`)."""
+    return read_checkpoint(path).config
 
 
 def reference(path: str) -> list[list[int]]:
@@ -71,8 +77,9 @@ def test_each_rank_holds_only_its_shard(tiny_models, monkeypatch):
     the wrong dim, taking the same half on both ranks, or q, k, v stacked before slicing."""
     monkeypatch.setattr(loader, "pack_linears", lambda model, max_num_seqs: model)  # the checkpoint's layout
     path, config = tiny_models["gqa"], read_config(tiny_models["gqa"])
-    whole = load_model(path, torch.float32, torch.device("cpu"), "torch")
-    halves = [load_model(path, torch.float32, torch.device("cpu"), "torch", Shard(r, 2)) for r in range(2)]
+    checkpoint = read_checkpoint(path)
+    whole = load_model(checkpoint, torch.float32, torch.device("cpu"), "torch")
+    halves = [load_model(checkpoint, torch.float32, torch.device("cpu"), "torch", Shard(r, 2)) for r in range(2)]
     head_dim, hidden = whole.head_dim, config.hidden_size
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
 

@@ -20,6 +20,7 @@ from nanoserve.batch import Batch
 from nanoserve.config import Config
 from nanoserve.distributed import TIMEOUT, Shard, join_group, rank_device
 from nanoserve.model_runner import ModelRunner
+from nanoserve.models.loader import Checkpoint, read_checkpoint
 from nanoserve.sampler import SamplerOutput
 from nanoserve.seams import Seams, WeightTransform
 from nanoserve.sequence import ScheduledSeq
@@ -29,15 +30,16 @@ class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: starts the workers, joins their group, loads shard 0, and runs each step's
     Batch after sending it to the workers. Any failure stops every rank (they are out of step)."""
 
-    def __init__(self, config: Config, device: torch.device, max_model_len: int, seams: Seams) -> None:
-        shard = Shard(0, config.tensor_parallel_size)
+    def __init__(self, config: Config, device: torch.device, max_model_len: int, checkpoint: Checkpoint,
+                 seams: Seams) -> None:
+        shard, device = Shard(0, config.tensor_parallel_size), rank_device(device, 0)  # as each worker's
         self.workers = Workers(config, max_model_len, device, seams.weight_transform)
         # at close(), or once this runner is garbage (an LLM dropped without close()); only once
         self.release = weakref.finalize(self, self.workers.close)
         try:
             self.workers.wait_until_started()
-            join_group(shard, self.workers.store, rank_device(device, 0))
-            super().__init__(config, rank_device(device, 0), max_model_len, shard, seams)
+            join_group(shard, self.workers.store, device)
+            super().__init__(config, device, max_model_len, checkpoint, shard, seams)
             dist.barrier()  # every rank has its shard and cache: a worker's failure shows here
         except BaseException as error:
             self.stop_workers_after(error)
@@ -167,7 +169,9 @@ def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: o
         pipe.send("started")
         shard, device = Shard(rank, config.tensor_parallel_size), rank_device(device, rank)
         join_group(shard, store, device)
-        runner = ModelRunner(config, device, max_model_len, shard, Seams(weight_transform=weight_transform))
+        # this process's one read of config.json (rank 0's is the engine's)
+        runner = ModelRunner(config, device, max_model_len, read_checkpoint(config.model), shard,
+                             Seams(weight_transform=weight_transform))
         dist.barrier()
         while (message := pipe.recv()) is not None:
             tensors, others = message  # the Batch's tensors as numpy arrays, and its other fields

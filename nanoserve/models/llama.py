@@ -153,9 +153,9 @@ class LlamaForCausalLM(nn.Module):
         self.shard = shard
         self.head_dim = family.head_dim
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads // shard.size  # in this rank's KV cache
         self.vocab_size = config.vocab_size
         self.model = LlamaModel(config, family, attention_backend, shard)
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # in this rank's KV cache: its layers'
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // shard.size, bias=False)  # a vocab range
 
     def forward(self, batch: Batch, kv_cache: Tensor) -> Tensor | None:

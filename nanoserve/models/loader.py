@@ -1,5 +1,6 @@
 """How a Hugging Face checkpoint (a folder of config.json and *.safetensors) becomes a model: llama.py's,
 built with the `Family` (families.py) its config.json describes (how to add one: docs/models.md).
+config.json is read once per process (`read_checkpoint`, by the engine) and passed down as a `Checkpoint`.
 
 Invariants:
 - Every parameter comes from the checkpoint, and every tensor transformers' model of the architecture
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -24,25 +26,32 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from nanoserve.distributed import Shard
 from nanoserve.layers.linear import pack_linears
-from nanoserve.models.families import describe
+from nanoserve.models.families import Family, describe
 from nanoserve.models.llama import LlamaForCausalLM
 from nanoserve.seams import WeightTransform
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device, attention_backend: str,
+class Checkpoint(NamedTuple):
+    """A checkpoint folder's config.json, read once per process (`read_checkpoint`) and passed down: the folder,
+    the config and the `Family` it describes (families.py)."""
+    folder: Path
+    config: PretrainedConfig
+    family: Family
+
+
+def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, attention_backend: str,
                shard: Shard = Shard(), max_num_seqs: int = 256, transform: WeightTransform | None = None) -> nn.Module:
     """Build the model of a Hugging Face folder (config.json + *.safetensors) on `device` in `dtype`;
     with tensor parallelism, only `shard`'s part of it: every tensor is sliced as it is read. Its
     linears suit decode steps of up to `max_num_seqs` rows (layers/linear.py), or are `transform`'s (the weight
     transform seam, seams.py: int8 quantization), of this shard's weights."""
-    config = read_config(path)
-    family = describe(config)
+    folder, config, family = checkpoint
     with torch.device("meta"):  # shapes only: every parameter is replaced by a checkpoint tensor
         model = LlamaForCausalLM(config, family, attention_backend, shard)
     tied = family.tie_word_embeddings
     parts = {name: checkpoint_parts(name, model.checkpoint_modules) for name, _ in model.named_parameters()
              if not (name == "lm_head.weight" and tied)}
-    files = index_checkpoint(Path(path))
+    files = index_checkpoint(folder)
     check_checkpoint(files, config, {part for param_parts in parts.values() for part, _ in param_parts})
     for name, param_parts in parts.items():
         # A fused parameter stacks its checkpoint tensors on the output dim, e.g. q, k, v
@@ -68,17 +77,18 @@ def checkpoint_parts(param_name: str, table: dict[str, tuple[str, int]]) -> list
     return parts or [(param_name, None)]  # not in the table (the norms): the same name, whole on every rank
 
 
-def read_config(path: str) -> PretrainedConfig:
-    """config.json, checked for an architecture in MODELS and for what llama.py implements. Only
-    attributes every family's config has are read as such; a family's own (Llama's attention_bias)
-    are read where present. A sliding window is checked against max_model_len (`check_max_model_len`)."""
+def read_checkpoint(path: str) -> Checkpoint:
+    """config.json and the `Family` it describes (families.py), read once per process (by the engine; by each
+    tensor-parallel worker), checked for an architecture in MODELS and for what llama.py implements. Only
+    attributes every family's config has are read as such; a family's own (Llama's attention_bias) are read
+    where present. A sliding window is checked against max_model_len (`families.check_max_model_len`)."""
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"model folder {path!r} does not exist")
     if not (folder / "config.json").is_file():
         raise ValueError(f"model folder {path!r} has no config.json")
     config = AutoConfig.from_pretrained(path)
-    describe(config)  # raises for an architecture not in MODELS
+    family = describe(config)  # raises for an architecture not in MODELS
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         raise ValueError("attention_bias / mlp_bias are not supported: of the linears, only q, k and v may "
                          "have a bias (Qwen2's)")
@@ -87,7 +97,7 @@ def read_config(path: str) -> PretrainedConfig:
     if config.num_attention_heads % config.num_key_value_heads:
         raise ValueError(f"num_attention_heads={config.num_attention_heads} is not a multiple of "
                          f"num_key_value_heads={config.num_key_value_heads}: query heads must share kv heads evenly")
-    return config
+    return Checkpoint(folder, config, family)
 
 
 def index_checkpoint(folder: Path) -> dict[str, Path]:
