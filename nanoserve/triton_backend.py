@@ -2,13 +2,13 @@
 one launch per layer for the whole flat batch, reading the cache through `block_tables`.
 
 It has the shape of attention.py's backends: `prepare(batch, block_size, dtype)` once per step returns
-the Batch's four arrays the kernels read (`TritonMetadata`: tensors only), `forward(q, k, v, k_cache,
-v_cache, metadata)` per layer calls one custom op, `nanoserve::triton_attention`, whose inputs are
-tensors only. So a compiled step guards on tensors, never on Python lists or host copies of lengths
-(compilation.py runs attention eager between the compiled pieces, as for every backend; the op is what
-lets torch.compile trace a whole step through attention). It is what "auto" picks on CUDA where flash-attn 2 cannot
-serve (attention.select_attention). On a CPU it runs only when asked for and TRITON_INTERPRET=1 is set:
-Triton's interpreter then runs the kernels in numpy, slowly, to debug the GPU path on a laptop.
+the Batch's four arrays the kernels read (`TritonMetadata`: tensors only), `forward(q, k, v, kv_cache,
+layer, metadata)` per layer calls one custom op, `nanoserve::triton_attention`, whose inputs are tensors
+only. So the compiled step (compilation.py), one graph for the whole step, holds it as it is and guards
+on tensors, never on Python lists or host copies of lengths. It is what "auto" picks on CUDA where
+flash-attn 2 cannot serve (attention.select_attention). On a CPU it runs only when asked for and
+TRITON_INTERPRET=1 is set: Triton's interpreter then runs the kernels in numpy, slowly, to debug the GPU
+path on a laptop.
 """
 from __future__ import annotations
 

@@ -348,11 +348,12 @@ def test_backend_walkthrough(name: str, flash_attn_is_the_reference):
     torch.manual_seed(4)
     scale = 0.3  # not flash-attn's default 1 / sqrt(D): a backend must pass its own
     backend = BACKENDS[name](scale)
-    k_cache, v_cache = torch.zeros(8, 4, HKV, D), torch.zeros(8, 4, HKV, D)
+    kv_cache = torch.zeros(2, 1, 8, 4, HKV, D)  # one layer's: [2 (k and v), 1, num_blocks, block_size, Hkv, D]
+    k_cache, v_cache = kv_cache[:, 0]  # views: what the backend writes, layer 0
 
     prefill = walkthrough_prefill_batch()
     q, k, v = torch.randn(15, H, D), torch.randn(15, HKV, D), torch.randn(15, HKV, D)
-    out = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(prefill, 4, torch.float32))
+    out = backend.forward(q, k, v, kv_cache, 0, backend.prepare(prefill, 4, torch.float32))
     assert out.shape == (15, H, D)
     for s, e in [(0, 5), (5, 12), (12, 15)]:
         assert_close(out[s:e], reference(q[s:e], k[s:e], v[s:e], scale=scale))
@@ -362,7 +363,7 @@ def test_backend_walkthrough(name: str, flash_attn_is_the_reference):
 
     decode = walkthrough_decode_batch()
     q2, k2, v2 = torch.randn(3, H, D), torch.randn(3, HKV, D), torch.randn(3, HKV, D)
-    out2 = backend.forward(q2, k2, v2, k_cache, v_cache, backend.prepare(decode, 4, torch.float32))
+    out2 = backend.forward(q2, k2, v2, kv_cache, 0, backend.prepare(decode, 4, torch.float32))
     assert out2.shape == (3, H, D)
     for b, (s, e) in enumerate([(0, 5), (5, 12), (12, 15)]):
         keys, values = torch.cat([k[s:e], k2[b:b + 1]]), torch.cat([v[s:e], v2[b:b + 1]])
@@ -370,7 +371,7 @@ def test_backend_walkthrough(name: str, flash_attn_is_the_reference):
 
     mixed = mixed_step_batch()
     q3, k3, v3 = torch.randn(4, H, D), torch.randn(4, HKV, D), torch.randn(4, HKV, D)
-    out3 = backend.forward(q3, k3, v3, k_cache, v_cache, backend.prepare(mixed, 4, torch.float32))
+    out3 = backend.forward(q3, k3, v3, kv_cache, 0, backend.prepare(mixed, 4, torch.float32))
     keys = torch.cat([k[0:5], k2[0:1], k3[0:3]])  # request 0: its prompt, its decode token, its chunk
     values = torch.cat([v[0:5], v2[0:1], v3[0:3]])
     assert_close(out3[0:3], reference(q3[0:3], keys, values, scale=scale))

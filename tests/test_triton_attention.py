@@ -150,13 +150,15 @@ def test_the_backend_stores_then_attends(kernels):
     its own key) or k and v swapped."""
     torch.manual_seed(13)
     k_cache, v_cache, block_tables = paged_cache([20], 16, 2, 16, torch.float32, seed=13)
+    kv_cache = torch.stack([k_cache, v_cache])[:, None]  # one layer's: [2, 1, num_blocks, block_size, Hkv, D]
+    k_cache, v_cache = kv_cache[:, 0]  # views: what the backend writes, layer 0
     batch = batch_of([4], [20], block_tables)
     positions = torch.arange(16, 20)
     slots = block_tables[0, positions // 16].long() * 16 + positions % 16
     batch = type(batch)(**{**batch.__dict__, "slot_mapping": slots})
     q, k, v = torch.randn(4, 4, 16), torch.randn(4, 2, 16), torch.randn(4, 2, 16)
     backend = TritonBackend(0.3)
-    out = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(batch, 16, torch.float32))
+    out = backend.forward(q, k, v, kv_cache, 0, backend.prepare(batch, 16, torch.float32))
     assert torch.equal(k_cache.view(-1, 2, 16)[slots], k) and torch.equal(v_cache.view(-1, 2, 16)[slots], v)
     expected = REFERENCE.flash_attn_varlen_func(q, k_cache, v_cache, cumsum0([4]), cumsum0([20]), 4, 20,
                                                 softmax_scale=0.3, causal=True, block_table=block_tables)
@@ -165,14 +167,15 @@ def test_the_backend_stores_then_attends(kernels):
 
 @interpreted
 def test_the_custom_op_passes_opcheck(kernels):
-    """torch.library.opcheck on nanoserve::triton_attention: its schema (k_cache, v_cache mutated, nothing
+    """torch.library.opcheck on nanoserve::triton_attention: its schema (the KV cache mutated, nothing
     else), its fake implementation (the output's shape and dtype, for torch.compile) and its tracing.
     Catches a mutation not declared, which a compiled step would reorder or drop, or a wrong fake output."""
     torch.manual_seed(17)
     k_cache, v_cache, block_tables = paged_cache([20, 3], 16, 2, 16, torch.float32, seed=17)
     q, k, v = torch.randn(5, 4, 16), torch.randn(5, 2, 16), torch.randn(5, 2, 16)
     slot_mapping = (block_tables[[0, 0, 0, 0, 1], [1, 1, 1, 1, 0]].long() * 16 + torch.tensor([16, 17, 18, 19, 2]) % 16)
-    args = (q, k, v, k_cache, v_cache, slot_mapping, cumsum0([4, 1]), torch.tensor([20, 3], dtype=torch.int32),
+    kv_cache = torch.stack([k_cache, v_cache])[:, None]  # one layer's: [2, 1, num_blocks, block_size, Hkv, D]
+    args = (q, k, v, kv_cache, 0, slot_mapping, cumsum0([4, 1]), torch.tensor([20, 3], dtype=torch.int32),
             block_tables, 0.3)
     torch.library.opcheck(torch.ops.nanoserve.triton_attention.default, args)
 

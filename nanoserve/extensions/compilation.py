@@ -34,7 +34,6 @@ import logging
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from nanoserve.attention import (
@@ -127,61 +126,45 @@ def warm_up(runner: Runner) -> None:
 # ----------------------------------------------------------------------------- the torch backend as an op
 
 def plan_tensors(plan: AttentionPlan, dtype: torch.dtype) -> tuple[Tensor, ...]:
-    """The torch backend's plan as tensors only, each flat (`[n]`, so that no stride of a size the graph
-    does not know is guarded): the decode groups' rows `[R]`, block tables `[R, blocks]` and biases
-    `[R, keys]`, one group after another, each padded to the widest; each group's (rows, blocks) `[G, 2]`
-    and each prompt chunk's (start, end, seqlen_k) `[P, 3]`, on the host; the chunks' block tables
-    `[P, blocks]`. `read_plan` makes the plan again."""
+    """The torch backend's plan as flat tensors only (a flat tensor has no stride for the graph to guard):
+    on the host, each decode group's (rows, blocks) and each prompt chunk's (start, end, seqlen_k); then
+    the groups' rows, block tables and biases, and the chunks' block tables, each group's or chunk's after
+    the last one's. `read_plan` makes the plan again."""
     groups, chunks = plan.decode_groups, plan.prefill_requests
-    no_rows = torch.zeros(0, dtype=torch.int64, device=plan.slot_mapping.device)  # a step without any
-    rows = torch.cat([group.rows for group in groups] + [no_rows])
-    tables = cat_padded([group.block_table for group in groups], no_rows.view(0, 0))
-    bias = cat_padded([group.bias.flatten(1) for group in groups], no_rows.to(dtype).view(0, 0), float("-inf"))
-    sizes = torch.tensor([[len(group.rows), group.block_table.shape[1]] for group in groups], dtype=torch.int64)
-    bounds = torch.tensor([[chunk.start, chunk.end, chunk.seqlen_k] for chunk in chunks], dtype=torch.int64)
-    chunk_tables = cat_padded([chunk.block_table for chunk in chunks], no_rows.view(0, 0))
-    return tuple(t.flatten() for t in (plan.slot_mapping, rows, tables, bias, sizes, bounds, chunk_tables))
+
+    def flat(parts: list[Tensor], dtype: torch.dtype = torch.int64) -> Tensor:
+        return torch.cat([part.flatten().to(dtype) for part in parts] + [plan.slot_mapping.new_zeros(0, dtype=dtype)])
+    sizes = [group.block_table.shape for group in groups]
+    bounds = [(chunk.start, chunk.end, chunk.seqlen_k) for chunk in chunks]
+    return (plan.slot_mapping, torch.tensor(sizes, dtype=torch.int64).flatten(),
+            torch.tensor(bounds, dtype=torch.int64).flatten(), flat([group.rows for group in groups]),
+            flat([group.block_table for group in groups]), flat([group.bias for group in groups], dtype),
+            flat([chunk.block_table for chunk in chunks]))
 
 
-def cat_padded(parts: list[Tensor], empty: Tensor, value: float = 0) -> Tensor:
-    """`parts` `[n_i, width_i]` as one `[sum of n_i, widest]`, each padded with `value`; `empty` (no rows)
-    is the answer when there are no parts."""
-    width = max(part.shape[-1] for part in parts + [empty])
-    return torch.cat([F.pad(part, (0, width - part.shape[-1]), value=value) for part in parts + [empty]])
-
-
-def read_plan(slot_mapping: Tensor, rows: Tensor, tables: Tensor, bias: Tensor, sizes: Tensor, bounds: Tensor,
+def read_plan(slot_mapping: Tensor, sizes: Tensor, bounds: Tensor, rows: Tensor, tables: Tensor, bias: Tensor,
               chunk_tables: Tensor, block_size: int) -> AttentionPlan:
     """`plan_tensors`' tensors -> the plan they were made from."""
-    tables, bias = unflatten(tables, len(rows)), unflatten(bias, len(rows))
-    groups, first = [], 0
-    for num_rows, num_blocks in sizes.view(-1, 2).tolist():
-        last = first + num_rows
-        groups.append(DecodeGroup(rows[first:last], tables[first:last, :num_blocks],
-                                  bias[first:last, None, None, :num_blocks * block_size]))
-        first = last
-    bounds = bounds.view(-1, 3).tolist()
-    chunk_tables = unflatten(chunk_tables, len(bounds))
-    chunks = [PrefillRequest(start, end, chunk_tables[i:i + 1, :cdiv(seqlen_k, block_size)], seqlen_k,
-                             None if end - start == seqlen_k else causal_mask(end - start, seqlen_k, rows.device))
-              for i, (start, end, seqlen_k) in enumerate(bounds)]
+    sizes, bounds = sizes.view(-1, 2).tolist(), bounds.view(-1, 3).tolist()
+    parts = zip(sizes, rows.split([r for r, _ in sizes]), tables.split([r * b for r, b in sizes]),
+                bias.split([r * b * block_size for r, b in sizes]))
+    groups = [DecodeGroup(rows, table.view(r, b), bias.view(r, 1, 1, -1)) for (r, b), rows, table, bias in parts]
+    chunk_tables = chunk_tables.split([cdiv(seqlen_k, block_size) for _, _, seqlen_k in bounds])
+    chunks = [PrefillRequest(start, end, table[None], seqlen_k,
+                             None if end - start == seqlen_k else causal_mask(end - start, seqlen_k, table.device))
+              for (start, end, seqlen_k), table in zip(bounds, chunk_tables)]
     return AttentionPlan(slot_mapping, groups, chunks)
-
-
-def unflatten(flat: Tensor, num_rows: int) -> Tensor:
-    """`[num_rows * width]` -> `[num_rows, width]` (width 0 where there are no rows)."""
-    return flat.view(num_rows, flat.numel() // max(num_rows, 1))
 
 
 @torch.library.custom_op("nanoserve::paged_attention", mutates_args=("kv_cache",))
 def paged_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, slot_mapping: Tensor,
-                       rows: Tensor, tables: Tensor, bias: Tensor, sizes: Tensor, bounds: Tensor,
+                       sizes: Tensor, bounds: Tensor, rows: Tensor, tables: Tensor, bias: Tensor,
                        chunk_tables: Tensor, scale: float) -> Tensor:
     """The torch backend's attention for layer `layer` (attention.py), as one op: q `[N, H, D]`, k, v
     `[N, Hkv, D]` -> `[N, H, D]`, its plan read back from `plan_tensors`' tensors."""
     k_cache, v_cache = kv_cache[:, layer]  # views taken inside the op: it declares the whole cache mutated
     store_kvcache(k, v, k_cache, v_cache, slot_mapping)
-    plan = read_plan(slot_mapping, rows, tables, bias, sizes, bounds, chunk_tables, k_cache.shape[1])
+    plan = read_plan(slot_mapping, sizes, bounds, rows, tables, bias, chunk_tables, k_cache.shape[1])
     return paged_attention(q, k_cache, v_cache, plan, scale).contiguous()
 
 
