@@ -13,9 +13,12 @@ from torch._dynamo.utils import counters
 
 from conftest import greedy, reference
 from nanoserve import LLM, SamplingParams
+from nanoserve.attention import plan_attention
+from nanoserve.batch import build_batch
 from nanoserve.device import X86
 from nanoserve.extensions import compilation
 from nanoserve.layers import linear
+from nanoserve.sequence import Sequence
 
 
 def run_without_recompiles(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
@@ -106,3 +109,52 @@ def test_the_compiled_step_keeps_packed_linears(tiny_models, monkeypatch, dtype)
         shared = top_a.keys() & top_b.keys()
         assert len(shared) >= 3
         assert max(abs(top_a[t].logprob - top_b[t].logprob) for t in shared) < (0.1 if dtype == "bfloat16" else 1e-3)
+
+
+def mixed_step(block_size: int = 4):
+    """A step of 10 decodes of different lengths (two decode groups of the torch backend's plan) and two
+    prompt chunks, one after 5 cached tokens (its mask is not SDPA's is_causal), one a whole prompt."""
+    scheduled, next_block = [], 1
+    for i, (num_tokens, num_new) in enumerate([(3 + 2 * i, 1) for i in range(10)] + [(9, 4), (6, 6)]):
+        seq = Sequence(str(i), None, list(range(3, 3 + num_tokens)), SamplingParams())
+        seq.num_computed_tokens = num_tokens - num_new
+        num_blocks = -(-num_tokens // block_size)
+        seq.block_table = list(range(next_block, next_block + num_blocks))
+        next_block += num_blocks
+        scheduled.append((seq, num_new))
+    return build_batch(scheduled, block_size, torch.device("cpu")), next_block
+
+
+def test_the_plan_goes_through_the_op_as_it_was_built():
+    """The torch backend's plan, made flat tensors (`plan_tensors`) and read back in the op (`read_plan`),
+    is the plan eager attention uses: every group's rows, block table and bias, every chunk's bounds,
+    table and mask. Catches a group cut at the wrong row, a table or bias split at another width, or a
+    chunk's bottom-right mask lost."""
+    batch, _ = mixed_step()
+    plan = plan_attention(batch, 4, torch.float32)
+    assert len(plan.decode_groups) == 2 and len(plan.prefill_requests) == 2
+    tensors = compilation.plan_tensors(plan, torch.float32)
+    again = compilation.read_plan(*tensors, block_size=4)
+    assert torch.equal(again.slot_mapping, plan.slot_mapping)
+    for ours, theirs in zip(again.decode_groups, plan.decode_groups, strict=True):
+        for name in ("rows", "block_table", "bias"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    for ours, theirs in zip(again.prefill_requests, plan.prefill_requests, strict=True):
+        assert (ours.start, ours.end, ours.seqlen_k) == (theirs.start, theirs.end, theirs.seqlen_k)
+        assert torch.equal(ours.block_table, theirs.block_table)
+        assert (ours.mask is None) == (theirs.mask is None)
+        assert ours.mask is None or torch.equal(ours.mask, theirs.mask)
+    assert sum(r.mask is not None for r in plan.prefill_requests) == 1
+
+
+def test_the_torch_attention_op_passes_opcheck():
+    """torch.library.opcheck on nanoserve::paged_attention over the mixed step: its schema (the KV cache
+    mutated, nothing else), its fake implementation and its tracing. Catches a mutation not declared,
+    which the compiled step would reorder or drop, or a fake output of another shape or layout."""
+    batch, num_blocks = mixed_step()
+    torch.manual_seed(0)
+    num_tokens = batch.input_ids.shape[0]
+    q, k, v = torch.randn(num_tokens, 4, 8), torch.randn(num_tokens, 2, 8), torch.randn(num_tokens, 2, 8)
+    kv_cache = torch.randn(2, 3, num_blocks, 4, 2, 8)  # [2, layers, blocks, block_size, Hkv, D]
+    plan = compilation.plan_tensors(plan_attention(batch, 4, torch.float32), torch.float32)
+    torch.library.opcheck(torch.ops.nanoserve.paged_attention.default, (q, k, v, kv_cache, 1, *plan, 0.3))
