@@ -24,9 +24,9 @@ from nanoserve.tokenizer import read_eos_token_ids
 class ModelRunner:
     """Loads the model (`shard`'s part of it) and a KV cache on `device`, and runs one Batch per step;
     rank 0's samples. `checkpoint`: its config.json as the engine read it (loader.py), from which the dtype,
-    head_dim and the model follow. Where the ranks of
-    a group run, they must be in it already (parallel.py). `seams`: the
-    extensions that enter here (seams.py): the weight transform, the step executor, the logits processor."""
+    head_dim and the model follow. Where the ranks of a group run, they must be in it already (parallel.py).
+    `seams`: the extensions that enter here (seams.py): the weight transform, the step executor, the logits
+    processor."""
 
     def __init__(self, config: Config, device: torch.device, max_model_len: int, checkpoint: Checkpoint,
                  shard: Shard = Shard(), seams: Seams = Seams()) -> None:

@@ -15,6 +15,7 @@ from conftest import greedy, reference
 from nanoserve import LLM, SamplingParams
 from nanoserve.attention import plan_attention
 from nanoserve.batch import build_batch
+from nanoserve.config import cdiv
 from nanoserve.device import X86
 from nanoserve.extensions import compilation
 from nanoserve.layers import linear
@@ -118,7 +119,7 @@ def mixed_step(block_size: int = 4):
     for i, (num_tokens, num_new) in enumerate([(3 + 2 * i, 1) for i in range(10)] + [(9, 4), (6, 6)]):
         seq = Sequence(str(i), None, list(range(3, 3 + num_tokens)), SamplingParams())
         seq.num_computed_tokens = num_tokens - num_new
-        num_blocks = -(-num_tokens // block_size)
+        num_blocks = cdiv(num_tokens, block_size)
         seq.block_table = list(range(next_block, next_block + num_blocks))
         next_block += num_blocks
         scheduled.append((seq, num_new))

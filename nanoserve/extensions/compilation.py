@@ -144,11 +144,13 @@ def plan_tensors(plan: AttentionPlan, dtype: torch.dtype) -> tuple[Tensor, ...]:
 
 def read_plan(slot_mapping: Tensor, sizes: Tensor, bounds: Tensor, rows: Tensor, tables: Tensor, bias: Tensor,
               chunk_tables: Tensor, block_size: int) -> AttentionPlan:
-    """`plan_tensors`' tensors -> the plan they were made from."""
+    """`plan_tensors`' tensors -> the plan they were made from. Run in every layer's op: views of the
+    tensors (splits), and one causal mask per prompt chunk whose keys outnumber its queries."""
     sizes, bounds = sizes.view(-1, 2).tolist(), bounds.view(-1, 3).tolist()
     parts = zip(sizes, rows.split([r for r, _ in sizes]), tables.split([r * b for r, b in sizes]),
                 bias.split([r * b * block_size for r, b in sizes]))
-    groups = [DecodeGroup(rows, table.view(r, b), bias.view(r, 1, 1, -1)) for (r, b), rows, table, bias in parts]
+    groups = [DecodeGroup(group_rows, table.view(r, b), group_bias.view(r, 1, 1, -1))  # bias [R, 1, 1, keys]
+              for (r, b), group_rows, table, group_bias in parts]
     chunk_tables = chunk_tables.split([cdiv(seqlen_k, block_size) for _, _, seqlen_k in bounds])
     chunks = [PrefillRequest(start, end, table[None], seqlen_k,
                              None if end - start == seqlen_k else causal_mask(end - start, seqlen_k, table.device))
