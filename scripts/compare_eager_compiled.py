@@ -5,11 +5,11 @@
 --plain: the compiled engine's linears are plain nn.Linear (not layers/linear.py's layouts), which
 inductor's freezing lays out itself.
 
-Each round times REQUESTS requests of 96 random prompt tokens generating 48 tokens and then 1 token,
-on each engine in turn; a decode step is the difference over 47 steps. Prints each engine's median ms
-per decode step, their ratio, every round, and each LLM()'s start-up time. Running the two in turns
-keeps a machine whose speed drifts from favouring one of them. The figures are in
-docs/performance.md ("The compiled step")."""
+Each round times REQUESTS requests (max_num_seqs=REQUESTS) of 96 random prompt tokens generating 1 token
+(the prefill) and then 48 tokens, on each engine in turn; a decode step is the difference over 47 steps.
+Prints each engine's median ms per decode step and per prefill, their ratio, every round, and each
+LLM()'s start-up time. Running the two in turns keeps a machine whose speed drifts from favouring one
+of them. The figures are in docs/performance.md ("The compiled step")."""
 import random
 import statistics
 import sys
@@ -37,9 +37,9 @@ def main() -> None:
         start = time.perf_counter()
         if name == "compiled" and "--plain" in sys.argv:  # nn.Linear weights: inductor's freezing lays them out
             with mock.patch.object(loader, "pack_linears", lambda model, max_num_seqs: model):
-                engines[name] = LLM(path, dtype=dtype, enforce_eager=False, max_num_seqs=max(num_requests, 2))
+                engines[name] = LLM(path, dtype=dtype, enforce_eager=False, max_num_seqs=num_requests)
         else:
-            engines[name] = LLM(path, dtype=dtype, enforce_eager=name == "eager", max_num_seqs=max(num_requests, 2))
+            engines[name] = LLM(path, dtype=dtype, enforce_eager=name == "eager", max_num_seqs=num_requests)
         start_seconds[name] = time.perf_counter() - start
     assert engines["compiled"].engine.model_runner.compiled, "the compiled engine fell back to eager"
     rng = random.Random(0)
@@ -47,15 +47,19 @@ def main() -> None:
     for llm in engines.values():
         timed_generate(llm, prompts, 4)  # warm-up
     ms_per_step: dict[str, list[float]] = {name: [] for name in engines}
+    prefill_ms: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(rounds):
         for name, llm in engines.items():
-            seconds = timed_generate(llm, prompts, NUM_TOKENS) - timed_generate(llm, prompts, 1)
-            ms_per_step[name].append(1000 * seconds / (NUM_TOKENS - 1))
+            prefill = timed_generate(llm, prompts, 1)
+            ms_per_step[name].append(1000 * (timed_generate(llm, prompts, NUM_TOKENS) - prefill) / (NUM_TOKENS - 1))
+            prefill_ms[name].append(1000 * prefill)
     median = {name: statistics.median(times) for name, times in ms_per_step.items()}
+    prefill = {name: statistics.median(times) for name, times in prefill_ms.items()}
     print(f"{dtype}, {num_requests} requests: eager {median['eager']:.1f} ms/step, compiled "
           f"{median['compiled']:.1f} ms/step, compiled / eager {median['compiled'] / median['eager']:.2f}; "
           f"rounds {ms_per_step}; LLM() start eager {start_seconds['eager']:.1f} s, compiled "
-          f"{start_seconds['compiled']:.1f} s")
+          f"{start_seconds['compiled']:.1f} s; prefill (the prompts, 1 token) eager {prefill['eager']:.0f} ms, "
+          f"compiled {prefill['compiled']:.0f} ms")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_engine import MAX_TOKENS, PROMPTS, SETUPS
 from torch._dynamo.utils import counters
+from torch._inductor import freezing
 
 from conftest import greedy, reference
 from nanoserve import LLM, SamplingParams
@@ -78,6 +79,44 @@ def test_a_failing_compile_falls_back_to_eager_with_one_log_line(tiny_models, mo
     assert [type(m) for m in model.modules()] == [type(m) for m in eager.modules()]
     outputs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)
     assert [o.token_ids for o in outputs] == reference(tiny_models["gqa"], PROMPTS, MAX_TOKENS)
+
+
+def test_one_request_engines_autotune_their_linears_and_stay_exact(tiny_models):
+    """float32 at max_num_seqs=1: the linears are plain nn.Linear (layers/linear.py), which inductor's
+    `max_autotune` gives its C++ GEMM templates where they time faster (at one row, on x86 they do), the
+    prompt's graph and the one-row decode graph each their own. Catches a template or its choice that
+    computes another product, or one that cannot take a prompt's N rows after being timed at 2."""
+    llm = LLM(tiny_models["gqa"], enforce_eager=False, block_size=4, max_num_seqs=1)
+    assert llm.engine.model_runner.compiled
+    assert run_without_recompiles(llm, PROMPTS, MAX_TOKENS) == reference(tiny_models["gqa"], PROMPTS, MAX_TOKENS)
+
+
+def test_every_engine_of_a_process_compiles_its_own_graphs(tiny_models):
+    """dynamo keeps a few graphs per code object (`recompile_limit`, 8): engines sharing the class's
+    run_layers would, from the fifth on, run eager while saying compiled. With the limit at one engine's
+    two graphs, the next engine still compiles both of its own."""
+    with torch._dynamo.config.patch(recompile_limit=2):
+        graphs = []
+        for _ in range(2):
+            LLM(tiny_models["gqa"], enforce_eager=False, block_size=4)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] - graphs[0] == 2
+
+
+def test_the_weights_are_frozen_into_the_graph(tiny_models, monkeypatch):
+    """On a CPU the compiled step freezes: inductor turns the model's weights into the graph's constants
+    (torch's freezing.py, which this spies on), which it folds and lays out for this CPU. Catches freezing
+    asked for where dynamo does not read it (`torch.compile(options={"freezing": True})` alone), which
+    compiles every weight as a graph input and freezes nothing, silently."""
+    frozen = []
+    replace = freezing.replace_node_with_constant
+    monkeypatch.setattr(freezing, "replace_node_with_constant",
+                        lambda gm, node, tensor, *rest: frozen.append(tensor) or replace(gm, node, tensor, *rest))
+    with torch._inductor.config.patch(force_disable_caches=True):  # a cached graph was frozen before, unseen
+        llm = LLM(tiny_models["gqa"], enforce_eager=False, block_size=4)
+    assert llm.engine.model_runner.compiled
+    weights = {id(p) for p in llm.engine.model_runner.model.model.parameters()}
+    assert weights <= {id(tensor) for tensor in frozen}
 
 
 def test_where_compiling_is_not_tried():

@@ -17,8 +17,9 @@ Invariants:
   are dynamic in N, and every dim of the attention metadata and of `logits_indices` is unbacked (no size
   assumed, not even 0 or 1), so no later step recompiles for another count of requests, decode groups,
   blocks or prompt chunks (tests/test_compilation.py counts).
-- Freezing: the weights are the graph's constants, which inductor folds and lays out itself. The linears
-  are eager's (layers/linear.py): `PackedLinear` calls its own op, which the graph calls as it is.
+- On a CPU, freezing: the weights are the graph's constants, which inductor folds and lays out itself. The
+  linears are eager's (layers/linear.py): `PackedLinear` calls its own op, which the graph calls as it is;
+  plain nn.Linear weights (float32 at max_num_seqs=1) get inductor's C++ GEMM templates (`inductor_options`).
 - Anything that goes wrong while compiling or running the warm-up is one log line and an eager model;
   `LLM()` never fails because of compilation.
 
@@ -31,6 +32,7 @@ It enters the core at the step-executor seam (seams.py's `StepExecutor`), which 
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable
 
 import torch
@@ -70,7 +72,8 @@ def compile_model(runner: Runner, config: Config) -> bool:
         try:
             model.run_layers = compile_layers(model)
             # no duck sizing: N must not be tied to a KV cache dim that happens to equal it in the warm-up
-            with torch.fx.experimental._config.patch(use_duck_shape=False):
+            with (torch.fx.experimental._config.patch(use_duck_shape=False),
+                  torch._inductor.config.patch(inductor_options(runner.device, runner.dtype))):
                 warm_up(runner)
             return True
         except Exception as error:  # a missing C++ compiler, an op inductor cannot lower, ...
@@ -82,8 +85,22 @@ def compile_model(runner: Runner, config: Config) -> bool:
     return False
 
 
+def inductor_options(device: torch.device, dtype: torch.dtype) -> dict[str, object]:
+    """Inductor's settings while the warm-up traces and compiles, for this device and activation dtype (measured:
+    docs/performance.md, "The compiled step"). On a CPU, freezing; in float32 also `max_autotune` over inductor's
+    C++ GEMM templates and aten, which it times per linear and shape (~4 s each) and keeps the fastest of: at one
+    row a template took ~0.3-0.6x MKL's time for plain nn.Linear weights, at 16 rows oneDNN won. Packed linears
+    are an op of our own, which it leaves alone. Set around the first call, not as `torch.compile(options=...)`:
+    dynamo reads `freezing` as it traces, before those options apply, and would freeze nothing."""
+    if device.type != "cpu":  # freezing is not tried on a GPU
+        return {}
+    autotune = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "autotune_num_choices_displayed": 0,
+                "max_autotune_report_choices_stats": False}
+    return {"freezing": True, **(autotune if dtype == torch.float32 else {})}
+
+
 def compile_layers(model: torch.nn.Module) -> Callable:
-    """`model.run_layers` (models/llama.py) compiled whole, with freezing, and attention entering the graph
+    """`model.run_layers` (models/llama.py) compiled whole, and attention entering the graph
     as its backend's op. Every dim of its metadata's tensors and of `logits_indices` is marked unbacked as
     each step calls it."""
     backend = model.attention
@@ -94,7 +111,11 @@ def compile_layers(model: torch.nn.Module) -> Callable:
             q, k, v, kv_cache, layer, *tensors, backend.scale)
     elif isinstance(backend, FlashBackend):  # eager, between the graph's pieces
         backend.forward = torch.compiler.disable(backend.forward)
-    compiled = torch.compile(model.run_layers, dynamic=True, options={"freezing": True})
+    # a copy of run_layers' code object, this model's own: dynamo keeps at most 8 graphs per code object
+    # (recompile_limit), and a process's fifth engine sharing the class's would silently run eager
+    run = model.run_layers.__func__
+    own = types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__, run.__defaults__, run.__closure__)
+    compiled = torch.compile(types.MethodType(own, model), dynamic=True)  # inductor_options apply as it compiles
 
     def run_layers(input_ids: Tensor, positions: Tensor, logits_indices: Tensor, kv_cache: Tensor,
                    metadata: AttentionMetadata) -> Tensor:
