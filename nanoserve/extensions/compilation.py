@@ -108,7 +108,7 @@ def compile_layers(model: torch.nn.Module) -> Callable:
         plan = backend.prepare
         backend.prepare = lambda batch, block_size, dtype: plan_tensors(plan(batch, block_size, dtype), dtype)
         backend.forward = lambda q, k, v, kv_cache, layer, tensors: torch.ops.nanoserve.paged_attention(
-            q, k, v, kv_cache, layer, *tensors, backend.scale)
+            q, k, v, kv_cache, layer, list(tensors), backend.scale)
     elif isinstance(backend, FlashBackend):  # eager, between the graph's pieces
         backend.forward = torch.compiler.disable(backend.forward)
     # a copy of run_layers' code object, this model's own: dynamo keeps at most 8 graphs per code object
@@ -180,14 +180,15 @@ def read_plan(slot_mapping: Tensor, sizes: Tensor, bounds: Tensor, rows: Tensor,
 
 
 @torch.library.custom_op("nanoserve::paged_attention", mutates_args=("kv_cache",))
-def paged_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, slot_mapping: Tensor,
-                       sizes: Tensor, bounds: Tensor, rows: Tensor, tables: Tensor, bias: Tensor,
-                       chunk_tables: Tensor, scale: float) -> Tensor:
+def paged_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, plan: list[Tensor],
+                       scale: float) -> Tensor:
     """The torch backend's attention for layer `layer` (attention.py), as one op: q `[N, H, D]`, k, v
-    `[N, Hkv, D]` -> `[N, H, D]`, its plan read back from `plan_tensors`' tensors."""
+    `[N, Hkv, D]` -> `[N, H, D]`, its plan read back from `plan_tensors`' tensors. The plan is one list
+    argument, not seven: each call of an op that mutates costs torch ~(arguments)^2 small objects (the
+    version bump's fill_defaults), ~50 us at 13 arguments, 30 times a step."""
     k_cache, v_cache = kv_cache[:, layer]  # views taken inside the op: it declares the whole cache mutated
-    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
-    plan = read_plan(slot_mapping, sizes, bounds, rows, tables, bias, chunk_tables, k_cache.shape[1])
+    store_kvcache(k, v, k_cache, v_cache, plan[0])  # plan[0]: the slot_mapping
+    plan = read_plan(*plan, k_cache.shape[1])
     return paged_attention(q, k_cache, v_cache, plan, scale).contiguous()
 
 
