@@ -1,9 +1,9 @@
 """Eager against compiled (enforce_eager), both engines in one process, run in turns:
 
-    python scripts/compare_eager_compiled.py MODEL DTYPE REQUESTS [ROUNDS] [--plain]
+    python scripts/compare_eager_compiled.py MODEL DTYPE REQUESTS [ROUNDS] [--plain] [--int8]
 
 --plain: the compiled engine's linears are plain nn.Linear (not layers/linear.py's layouts), which
-inductor's freezing lays out itself.
+inductor's freezing lays out itself. --int8: both engines with quantization="int8" (DTYPE: the activations').
 
 Each round times REQUESTS requests (max_num_seqs=REQUESTS) of 96 random prompt tokens generating 1 token
 (the prefill) and then 48 tokens, on each engine in turn; a decode step is the difference over 47 steps.
@@ -33,13 +33,14 @@ def main() -> None:
     path, dtype, num_requests = sys.argv[1], sys.argv[2], int(sys.argv[3])
     rounds = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4].isdigit() else 3
     engines, start_seconds = {}, {}
+    options = dict(dtype=dtype, max_num_seqs=num_requests, quantization="int8" if "--int8" in sys.argv else None)
     for name in ("eager", "compiled"):
         start = time.perf_counter()
         if name == "compiled" and "--plain" in sys.argv:  # nn.Linear weights: inductor's freezing lays them out
             with mock.patch.object(loader, "pack_linears", lambda model, max_num_seqs: model):
-                engines[name] = LLM(path, dtype=dtype, enforce_eager=False, max_num_seqs=num_requests)
+                engines[name] = LLM(path, enforce_eager=False, **options)
         else:
-            engines[name] = LLM(path, dtype=dtype, enforce_eager=name == "eager", max_num_seqs=num_requests)
+            engines[name] = LLM(path, enforce_eager=name == "eager", **options)
         start_seconds[name] = time.perf_counter() - start
     assert engines["compiled"].engine.model_runner.compiled, "the compiled engine fell back to eager"
     rng = random.Random(0)
