@@ -111,7 +111,7 @@ def test_int8_logits_are_the_dequantized_models(tiny_models, tmp_path, model):
 
 
 def test_compiled_int8_is_token_exact(tiny_models, tmp_path):
-    """enforce_eager=False with int8: compiled (inductor takes the int8 kernel as it is) and still
+    """enforce_eager=False with int8: compiled (inductor times its int8 GEMM templates against the kernel) and still
     token-exact with transformers on the dequantized weights."""
     llm = LLM(tiny_models["gqa"], quantization="int8", enforce_eager=False, block_size=4)
     assert llm.engine.model_runner.compiled

@@ -19,7 +19,8 @@ Invariants:
   blocks or prompt chunks (tests/test_compilation.py counts).
 - On a CPU, freezing: the weights are the graph's constants, which inductor folds and lays out itself. The
   linears are eager's (layers/linear.py): `PackedLinear` calls its own op, which the graph calls as it is;
-  plain nn.Linear weights (float32 at max_num_seqs=1) get inductor's C++ GEMM templates (`inductor_options`).
+  plain nn.Linear weights (float32 at max_num_seqs=1) and int8's get inductor's C++ GEMM templates where
+  they time faster (`inductor_options`).
 - Anything that goes wrong while compiling or running the warm-up is one log line and an eager model;
   `LLM()` never fails because of compilation.
 
@@ -73,7 +74,7 @@ def compile_model(runner: Runner, config: Config) -> bool:
             model.run_layers = compile_layers(model)
             # no duck sizing: N must not be tied to a KV cache dim that happens to equal it in the warm-up
             with (torch.fx.experimental._config.patch(use_duck_shape=False),
-                  torch._inductor.config.patch(inductor_options(runner.device, runner.dtype))):
+                  torch._inductor.config.patch(inductor_options(runner.device))):
                 warm_up(runner)
             return True
         except Exception as error:  # a missing C++ compiler, an op inductor cannot lower, ...
@@ -85,18 +86,18 @@ def compile_model(runner: Runner, config: Config) -> bool:
     return False
 
 
-def inductor_options(device: torch.device, dtype: torch.dtype) -> dict[str, object]:
-    """Inductor's settings while the warm-up traces and compiles, for this device and activation dtype (measured:
-    docs/performance.md, "The compiled step"). On a CPU, freezing; in float32 also `max_autotune` over inductor's
-    C++ GEMM templates and aten, which it times per linear and shape (~4 s each) and keeps the fastest of: at one
-    row a template took ~0.3-0.6x MKL's time for plain nn.Linear weights, at 16 rows oneDNN won. Packed linears
-    are an op of our own, which it leaves alone. Set around the first call, not as `torch.compile(options=...)`:
-    dynamo reads `freezing` as it traces, before those options apply, and would freeze nothing."""
-    if device.type != "cpu":  # freezing is not tried on a GPU
+def inductor_options(device: torch.device) -> dict[str, object]:
+    """Inductor's settings while the warm-up traces and compiles on `device` (measured: docs/performance.md, "The
+    compiled step"). On a CPU, freezing, and `max_autotune` over inductor's C++ GEMM templates and aten, which
+    times the candidates of every matmul on a frozen weight, ~4 s each, and keeps the fastest: plain nn.Linear
+    (float32 at max_num_seqs=1: a template at one row took ~0.3x MKL's time) and int8's `_weight_int8pack_mm`.
+    Packed linears (layers/linear.py) are an op of our own, which it leaves alone. Set around the first call, not
+    as `torch.compile(options=...)`: dynamo reads `freezing` as it traces, before those options apply, and would
+    freeze nothing."""
+    if device.type != "cpu":  # neither is tried on a GPU
         return {}
-    autotune = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "autotune_num_choices_displayed": 0,
-                "max_autotune_report_choices_stats": False}
-    return {"freezing": True, **(autotune if dtype == torch.float32 else {})}
+    return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+            "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 
 
 def compile_layers(model: torch.nn.Module) -> Callable:
