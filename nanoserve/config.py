@@ -14,7 +14,7 @@ is computed once, where it is needed, and passed on as an argument or held by it
 - config.json, read once with the model's family (`models.loader.read_checkpoint`, `models.families.describe`
   by config.json's `architectures`) -> the model runner, which loads the model with them;
 - on a CPU, each linear layer's weight layout (`layers.linear.choose_linear`, from the dtype, what
-  oneDNN does on this CPU and max_num_seqs; applied at load by `pack_linears`), or int8 weights with
+  oneDNN does on this CPU, and enforce_eager with max_num_seqs; applied at load by `pack_linears`), or int8 weights with
   `quantization` (quantization.py) -> the model;
 - num_blocks (`ModelRunner.size_kv_cache` on rank 0 alone, from free memory, unless
   num_kvcache_blocks is given; broadcast to the other ranks) -> the KV cache and the block manager;

@@ -34,7 +34,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, device, checkpoint.config.dtype)
         self.backend, self.block_size = select_attention(config.attention_backend, config.block_size, device,
                                                          self.dtype, checkpoint.family.head_dim)
-        self.model = load_model(checkpoint, self.dtype, device, self.backend, shard, config.max_num_seqs,
+        compiled_one_row = not config.enforce_eager and config.max_num_seqs == 1  # layers/linear.py's choice
+        self.model = load_model(checkpoint, self.dtype, device, self.backend, shard, compiled_one_row,
                                 seams.weight_transform)
         # not enforce_eager: compiled now, before any request, or eager after one log line (compilation.py)
         self.compiled = seams.executor.compile(self)

@@ -37,7 +37,7 @@ def main() -> None:
     for name in ("eager", "compiled"):
         start = time.perf_counter()
         if name == "compiled" and "--plain" in sys.argv:  # nn.Linear weights: inductor's freezing lays them out
-            with mock.patch.object(loader, "pack_linears", lambda model, max_num_seqs: model):
+            with mock.patch.object(loader, "pack_linears", lambda model, compiled_one_row: model):
                 engines[name] = LLM(path, enforce_eager=False, **options)
         else:
             engines[name] = LLM(path, enforce_eager=name == "eager", **options)

@@ -85,9 +85,12 @@ def test_one_request_engines_autotune_their_linears_and_stay_exact(tiny_models):
     """float32 at max_num_seqs=1: the linears are plain nn.Linear (layers/linear.py), which inductor's
     `max_autotune` gives its C++ GEMM templates where they time faster (at one row, on x86 they do), the
     prompt's graph and the one-row decode graph each their own. Catches a template or its choice that
-    computes another product, or one that cannot take a prompt's N rows after being timed at 2."""
+    computes another product, or one that cannot take a prompt's N rows after being timed at 2, and
+    packed weights (eager's, opaque to inductor) given to this engine."""
     llm = LLM(tiny_models["gqa"], enforce_eager=False, block_size=4, max_num_seqs=1)
     assert llm.engine.model_runner.compiled
+    model = llm.engine.model_runner.model
+    assert not any(isinstance(m, linear.PackedLinear) for m in model.modules())  # plain: inductor's to lay out
     assert run_without_recompiles(llm, PROMPTS, MAX_TOKENS) == reference(tiny_models["gqa"], PROMPTS, MAX_TOKENS)
 
 
@@ -136,7 +139,7 @@ def test_the_compiled_step_keeps_packed_linears(tiny_models, monkeypatch, dtype)
     otherwise than eager. Its logprobs are eager's within rounding (bfloat16: fused ops round apart)."""
     if platform.machine().lower() not in X86 or (dtype == "bfloat16" and not linear.has_onednn(torch.bfloat16)):
         pytest.skip("oneDNN cannot pack this dtype on this CPU")
-    monkeypatch.setattr(linear, "choose_linear", lambda dtype, max_num_seqs: "packed")
+    monkeypatch.setattr(linear, "choose_linear", lambda dtype, compiled_one_row: "packed")
     compiled = LLM(tiny_models["gqa"], dtype=dtype, enforce_eager=False, block_size=4)
     eager = LLM(tiny_models["gqa"], dtype=dtype, enforce_eager=True, block_size=4)
     assert compiled.engine.model_runner.compiled

@@ -118,7 +118,7 @@ def test_prefill_matches_transformers(tmp_path: Path, overrides: dict) -> None:
 def test_tied_checkpoint_has_no_lm_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     save_model(tmp_path, tie_word_embeddings=True)
     assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
-    monkeypatch.setattr(linear, "choose_linear", lambda dtype, max_num_seqs: "row_major")
+    monkeypatch.setattr(linear, "choose_linear", lambda dtype, compiled_one_row: "row_major")
     model = load_model(read_checkpoint(str(tmp_path)), torch.float32, torch.device("cpu"), "torch")
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
@@ -136,7 +136,7 @@ def test_every_linear_layout_matches_transformers(tmp_path: Path, monkeypatch: p
     if layout == "packed" and not linear.has_onednn(torch.float32):
         pytest.skip("oneDNN float32 is used (and measured) on x86 only")
     hf_model = save_model(tmp_path, family=family, tie_word_embeddings=tied)
-    monkeypatch.setattr(linear, "choose_linear", lambda dtype, max_num_seqs: layout)
+    monkeypatch.setattr(linear, "choose_linear", lambda dtype, compiled_one_row: layout)
     model = load_model(read_checkpoint(str(tmp_path)), torch.float32, torch.device("cpu"), "torch")
     linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
     assert len(linears) == 2 * 4 + 1  # 4 per layer + lm_head
@@ -156,18 +156,19 @@ def test_every_linear_layout_matches_transformers(tmp_path: Path, monkeypatch: p
 
 
 def test_choose_linear_by_what_onednn_does_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    """oneDNN-packed where oneDNN multiplies the dtype, except float32 when every decode step is one
-    row (max_num_seqs=1), where column-major is faster; else column-major float32, row-major bfloat16.
-    Catches an emulated bf16 packed on an AVX2 CPU, or a layout picked without the engine's shape."""
-    def choices(max_num_seqs: int) -> list[str]:
-        return [linear.choose_linear(d, max_num_seqs) for d in (torch.float32, torch.bfloat16, torch.float16)]
+    """oneDNN-packed where oneDNN multiplies the dtype, at any batch, except float32 where the compiled
+    step runs one row at a time (its templates take plain weights); else column-major float32, row-major
+    bfloat16. Catches an emulated bf16 packed on an AVX2 CPU, or the compiled one-row engine's plain
+    weights given to eager (10% slower at one row with both threads) or to bfloat16."""
+    def choices(compiled_one_row: bool) -> list[str]:
+        return [linear.choose_linear(d, compiled_one_row) for d in (torch.float32, torch.bfloat16, torch.float16)]
     monkeypatch.setattr(linear, "has_onednn", lambda dtype: dtype in (torch.float32, torch.bfloat16))
-    assert choices(256) == ["packed", "packed", "row_major"]
-    assert choices(1) == ["column_major", "packed", "row_major"]
+    assert choices(False) == ["packed", "packed", "row_major"]
+    assert choices(True) == ["column_major", "packed", "row_major"]
     monkeypatch.setattr(linear, "has_onednn", lambda dtype: dtype == torch.float32)  # an AVX2 x86 CPU
-    assert choices(256) == ["packed", "row_major", "row_major"]
+    assert choices(False) == ["packed", "row_major", "row_major"]
     monkeypatch.setattr(linear, "has_onednn", lambda dtype: False)  # Arm, or torch without oneDNN
-    assert choices(256) == ["column_major", "row_major", "row_major"]
+    assert choices(False) == ["column_major", "row_major", "row_major"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -243,7 +244,7 @@ def test_packed_linears_equal_nn_linear(tmp_path: Path, monkeypatch: pytest.Monk
     that is transposed, rounded or lost its tie to the embedding, or a bias (Qwen2's) left out."""
     save_model(tmp_path, family=family, tie_word_embeddings=True)
     packed = load_model(read_checkpoint(str(tmp_path)), torch.bfloat16, torch.device("cpu"), "torch")
-    monkeypatch.setattr(loader, "pack_linears", lambda model, max_num_seqs: model)  # the reference: plain nn.Linear
+    monkeypatch.setattr(loader, "pack_linears", lambda model, compiled_one_row: model)  # the reference: plain nn.Linear
     plain = load_model(read_checkpoint(str(tmp_path)), torch.bfloat16, torch.device("cpu"), "torch")
     assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 2 * 4 + 1  # 4 per layer + lm_head
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())

@@ -75,7 +75,7 @@ def test_tp2_matches_tp1_and_transformers(tiny_models, model):
 def test_each_rank_holds_only_its_shard(tiny_models, monkeypatch):
     """Loading with Shard(r, 2) gives halves that put together are the whole model: catches slicing
     the wrong dim, taking the same half on both ranks, or q, k, v stacked before slicing."""
-    monkeypatch.setattr(loader, "pack_linears", lambda model, max_num_seqs: model)  # the checkpoint's layout
+    monkeypatch.setattr(loader, "pack_linears", lambda model, compiled_one_row: model)  # the checkpoint's layout
     path, config = tiny_models["gqa"], read_config(tiny_models["gqa"])
     checkpoint = read_checkpoint(path)
     whole = load_model(checkpoint, torch.float32, torch.device("cpu"), "torch")

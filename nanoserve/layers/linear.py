@@ -44,22 +44,24 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.packed_weight, self.bias, self.out_features)
 
 
-def choose_linear(dtype: torch.dtype, max_num_seqs: int) -> str:
+def choose_linear(dtype: torch.dtype, compiled_one_row: bool) -> str:
     """How this CPU multiplies a `dtype` weight fastest at the engine's shapes, decided from what the CPU
     and torch support (measured figures: docs/performance.md, "Which CPU"):
       * "packed" (PackedLinear): bfloat16 where oneDNN has bf16 kernels; float32 on x86, where oneDNN took
-        0.45-0.7x MKL's time at decode batches of 8-48 rows and ~0.8x at prefill, on AVX-512 and AVX2
-        CPUs alike, but 1.2x at one row: so not when `max_num_seqs` is 1 (every decode step one row);
-      * "column_major": float32 otherwise (and on Arm, or a torch without oneDNN);
+        0.45-0.7x MKL's time at decode batches of 8-48 rows, ~0.8x at prefill and, with torch's default
+        threads, 0.68-0.75x at one row, on AVX-512 and AVX2 CPUs alike;
+      * "column_major": float32 otherwise (and on Arm, or a torch without oneDNN), and float32 where the
+        compiled step runs one row at a time (`compiled_one_row`: enforce_eager=False, max_num_seqs=1):
+        there inductor lays plain weights out for its own GEMM templates (extensions/compilation.py);
       * "row_major": nn.Linear as loaded (bfloat16 without oneDNN's kernels, where it is emulated)."""
-    if has_onednn(dtype) and (dtype == torch.bfloat16 or max_num_seqs > 1):
+    if has_onednn(dtype) and not (dtype == torch.float32 and compiled_one_row):
         return "packed"
     return "column_major" if dtype == torch.float32 else "row_major"
 
 
-def pack_linears(model: nn.Module, max_num_seqs: int) -> nn.Module:
+def pack_linears(model: nn.Module, compiled_one_row: bool = False) -> nn.Module:
     """Give every nn.Linear of a loaded CPU model the implementation `choose_linear` picks for its dtype and
-    the engine's `max_num_seqs`; a bias stays as loaded in every layout. A float32 weight tied to the
+    the engine's shape (`compiled_one_row`); a bias stays as loaded in every layout. A float32 weight tied to the
     embedding (the embedding's row lookups want it row-major) that would be column-major is packed instead,
     a copy, where oneDNN can: row-major, MKL took 2.3-2.9x oneDNN's time for SmolLM2's 49152 x 576 lm_head
     at one row (9.7 ms, 3.4-4.3 ms; AMD EPYC, 2 threads), the largest matmul of a one-request step."""
@@ -67,7 +69,7 @@ def pack_linears(model: nn.Module, max_num_seqs: int) -> nn.Module:
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or module.weight.device.type != "cpu":
             continue
-        layout = choose_linear(module.weight.dtype, max_num_seqs)
+        layout = choose_linear(module.weight.dtype, compiled_one_row)
         if layout == "column_major" and id(module.weight) in embeddings:
             layout = "packed" if has_onednn(module.weight.dtype) else "row_major"
         if layout == "column_major":

@@ -40,10 +40,11 @@ class Checkpoint(NamedTuple):
 
 
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, attention_backend: str,
-               shard: Shard = Shard(), max_num_seqs: int = 256, transform: WeightTransform | None = None) -> nn.Module:
+               shard: Shard = Shard(), compiled_one_row: bool = False,
+               transform: WeightTransform | None = None) -> nn.Module:
     """Build the model of a Hugging Face folder (config.json + *.safetensors) on `device` in `dtype`;
     with tensor parallelism, only `shard`'s part of it: every tensor is sliced as it is read. Its
-    linears suit decode steps of up to `max_num_seqs` rows (layers/linear.py), or are `transform`'s (the weight
+    linears suit the engine's steps (layers/linear.py: `compiled_one_row`), or are `transform`'s (the weight
     transform seam, seams.py: int8 quantization), of this shard's weights."""
     folder, config, family = checkpoint
     with torch.device("meta"):  # shapes only: every parameter is replaced by a checkpoint tensor
@@ -64,7 +65,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
     model = model.to(device).eval()  # .to moves the RoPE cache; parameters are already there
     if transform is not None:
         return transform(model)
-    return pack_linears(model, max_num_seqs)
+    return pack_linears(model, compiled_one_row)
 
 
 def checkpoint_parts(param_name: str, table: dict[str, tuple[str, int]]) -> list[tuple[str, int | None]]:
