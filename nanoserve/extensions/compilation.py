@@ -181,15 +181,15 @@ def read_plan(slot_mapping: Tensor, sizes: Tensor, bounds: Tensor, rows: Tensor,
 
 
 @torch.library.custom_op("nanoserve::paged_attention", mutates_args=("kv_cache",))
-def paged_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, plan: list[Tensor],
+def paged_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, tensors: list[Tensor],
                        scale: float) -> Tensor:
     """The torch backend's attention for layer `layer` (attention.py), as one op: q `[N, H, D]`, k, v
-    `[N, Hkv, D]` -> `[N, H, D]`, its plan read back from `plan_tensors`' tensors. The plan is one list
+    `[N, Hkv, D]` -> `[N, H, D]`, its plan read back from `plan_tensors`' `tensors`. They are one list
     argument, not seven: each call of an op that mutates costs torch ~(arguments)^2 small objects (the
     version bump's fill_defaults), ~50 us at 13 arguments, 30 times a step."""
     k_cache, v_cache = kv_cache[:, layer]  # views taken inside the op: it declares the whole cache mutated
-    store_kvcache(k, v, k_cache, v_cache, plan[0])  # plan[0]: the slot_mapping
-    plan = read_plan(*plan, k_cache.shape[1])
+    plan = read_plan(*tensors, k_cache.shape[1])
+    store_kvcache(k, v, k_cache, v_cache, plan.slot_mapping)
     return paged_attention(q, k_cache, v_cache, plan, scale).contiguous()
 
 
