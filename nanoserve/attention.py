@@ -165,7 +165,11 @@ def attend_decode_group(q_group: Tensor, k_cache: Tensor, v_cache: Tensor, group
     """The group's rows of q `[R, H, D]` -> `[R, H, D]`, one SDPA call over their copied-out blocks."""
     keys = gather_blocks(k_cache, group.block_table)  # [R, num_blocks * block_size, Hkv, D]
     values = gather_blocks(v_cache, group.block_table)
-    return attend(q_group[:, None], keys, values, scale, group.bias)[:, 0]  # queries as [R, 1, H, D]
+    queries, bias = q_group[:, None], group.bias  # queries as [R, 1, H, D]
+    if q_group.device.type == "cpu":  # there SDPA took 1.5-7x float32's time in bfloat16 and float16 at one query
+        # per request (docs/performance.md, "Where a decode step's time goes"): the copies it reads are upcast
+        queries, keys, values, bias = queries.float(), keys.float(), values.float(), bias.float()
+    return attend(queries, keys, values, scale, bias)[:, 0].to(q_group.dtype)
 
 
 class TorchBackend:
