@@ -15,7 +15,8 @@ import conftest
 from conftest import greedy
 from nanoserve import LLM
 from nanoserve.config import Config
-from nanoserve.extensions.quantization import Int8Linear, check_kernel, quantize_linears
+from nanoserve.extensions import quantization
+from nanoserve.extensions.quantization import DEQUANTIZE_ROWS, Int8Linear, check_kernel, quantize_linears
 from nanoserve.models.loader import load_model, read_checkpoint
 
 
@@ -72,7 +73,7 @@ def test_int8_linear_equals_dequantize_then_matmul(dtype, bias):
     # rounding to the nearest step: no weight further than half a step from its dequantized value
     steps = layer.scale.float()[:, None]
     assert ((layer.dequantize() - weight).abs() <= steps / 2 * 1.01).all()
-    for rows in (1, 5):
+    for rows in (1, 5, DEQUANTIZE_ROWS + 3):  # a prompt's rows take the other route: converted q, then a matmul
         x = torch.randn(rows, 64).to(dtype)
         expected = x.float() @ layer.dequantize().T + (linear.bias.detach().float() if bias else 0)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -92,6 +93,30 @@ def test_engine_int8_matches_transformers_on_dequantized_weights(tiny_models, tm
     net = llm.engine.model_runner.model
     assert isinstance(net.lm_head, Int8Linear) and not any(isinstance(m, nn.Linear) for m in net.modules())
     assert net.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_a_long_prompt_is_token_exact_on_the_converted_weights(tiny_models, tmp_path, monkeypatch):
+    """A prompt of more than DEQUANTIZE_ROWS tokens is prefilled with q converted and multiplied whole, and
+    decoded by the int8 kernel: still token-exact with transformers on the dequantized weights. Catches
+    that route dropping the scale or the bias, or applying the scale per input channel."""
+    rows = []
+    kernel = torch.ops.aten._weight_int8pack_mm
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda x, *rest: rows.append(len(x)) or kernel(x, *rest))
+    prompt = [(7 * i) % 250 + 3 for i in range(DEQUANTIZE_ROWS + 40)]
+    llm = LLM(tiny_models["qwen2"], quantization="int8", block_size=4)  # qwen2: q, k, v have biases
+    rows.clear()  # what the load's check ran
+    ours = llm.generate([prompt], greedy(10), use_tqdm=False)
+    expected = conftest.reference(save_dequantized(tiny_models["qwen2"], str(tmp_path / "dq")), [prompt], [10])
+    assert [o.token_ids for o in ours] == expected
+    assert rows and max(rows) < DEQUANTIZE_ROWS  # the prompt's step took the other route, the decodes this one
+
+
+def test_prompts_keep_the_kernel_where_bfloat16_is_emulated(monkeypatch):
+    """A prompt's rows take the converted weight only where the CPU multiplies that dtype natively: held to
+    AVX2, an emulated bfloat16 matmul took 2.9x the int8 kernel's time. Catches converting there too."""
+    monkeypatch.setattr(quantization, "has_onednn", lambda dtype: False)  # as on an AVX2 CPU
+    assert not Int8Linear(nn.Linear(64, 48).bfloat16()).convert_prompts
+    assert Int8Linear(nn.Linear(64, 48)).convert_prompts  # float32: MKL's, native everywhere
 
 
 @pytest.mark.parametrize("model", ["gqa", "tied"])

@@ -10,7 +10,11 @@ The rule, for a weight W [out, in] (symmetric, per output channel o):
     q[o, i]  = round(W[o, i] / scale[o])      an int8 in [-127, 127]
     x @ (q * scale[:, None]).T == (x @ q.T) * scale
 The right-hand side is what torch's `_weight_int8pack_mm` computes, converting q to floats as it reads
-it, so the dequantized matrix is never written out.
+it, so the dequantized matrix is never written out. That kernel converts the whole weight again for
+every row, so from DEQUANTIZE_ROWS rows on (a prompt) a CPU step converts q to `dtype` once (exact:
+|q| <= 127) and multiplies it whole, where the CPU multiplies `dtype` natively (float32; bfloat16 with
+oneDNN's kernels): 2.4-2.7x faster at 128-512 rows in bfloat16, 19-38x in float32; bfloat16 held to
+AVX2 keeps the kernel, 2.9x faster there (docs/quantization.md, "Many rows").
 
 Invariants:
 - Only linears are quantized: those of the decoder layers and lm_head. A tied lm_head gets its own int8
@@ -25,6 +29,11 @@ import logging
 
 import torch
 from torch import nn
+
+from nanoserve.device import has_onednn
+
+# from this many rows (a prompt's) a CPU step multiplies by the converted weight, not the int8 kernel (above)
+DEQUANTIZE_ROWS = 128
 
 
 class Int8Linear(nn.Module):
@@ -41,9 +50,15 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_int8", q.to(torch.int8))
         self.register_buffer("scale", scale)
         self.bias = linear.bias  # [out] or None
+        native = weight.dtype == torch.float32 or has_onednn(weight.dtype)  # a matmul in dtype that is not emulated
+        self.convert_prompts = weight.device.type == "cpu" and native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight_int8, self.scale)  # [N, out]
+        # x [N, in]; the compiled step keeps the kernel, which inductor times against its own int8 templates
+        if x.shape[0] >= DEQUANTIZE_ROWS and self.convert_prompts and not torch.compiler.is_compiling():
+            y = torch.nn.functional.linear(x, self.weight_int8.to(x.dtype)) * self.scale  # [N, out]
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight_int8, self.scale)  # [N, out]
         return y if self.bias is None else y + self.bias
 
     def dequantize(self) -> torch.Tensor:
