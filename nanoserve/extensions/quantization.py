@@ -13,7 +13,7 @@ The right-hand side is what torch's `_weight_int8pack_mm` computes, converting q
 it, so the dequantized matrix is never written out. That kernel converts the whole weight again for
 every row, so from DEQUANTIZE_ROWS rows on (a prompt) a CPU step converts q to `dtype` once (exact:
 |q| <= 127) and multiplies it whole, where the CPU multiplies `dtype` natively (float32; bfloat16 with
-oneDNN's kernels): 2.4-2.7x faster at 128-512 rows in bfloat16, 19-38x in float32; bfloat16 held to
+oneDNN's kernels): 2.4-2.7x faster at 128-512 rows in bfloat16, 18-38x in float32; bfloat16 held to
 AVX2 keeps the kernel, 2.9x faster there (docs/quantization.md, "Many rows").
 
 Invariants:
