@@ -113,10 +113,17 @@ def test_a_long_prompt_is_token_exact_on_the_converted_weights(tiny_models, tmp_
 
 def test_prompts_keep_the_kernel_where_bfloat16_is_emulated(monkeypatch):
     """A prompt's rows take the converted weight only where the CPU multiplies that dtype natively: held to
-    AVX2, an emulated bfloat16 matmul took 2.9x the int8 kernel's time. Catches converting there too."""
+    AVX2, an emulated bfloat16 matmul took 2.9x the int8 kernel's time. Catches converting there too, by the
+    attribute or by a forward that ignores it."""
     monkeypatch.setattr(quantization, "has_onednn", lambda dtype: False)  # as on an AVX2 CPU
-    assert not Int8Linear(nn.Linear(64, 48).bfloat16()).convert_prompts
+    layer = Int8Linear(nn.Linear(64, 48).bfloat16())
+    assert not layer.convert_prompts
     assert Int8Linear(nn.Linear(64, 48)).convert_prompts  # float32: MKL's, native everywhere
+    rows = []
+    kernel = torch.ops.aten._weight_int8pack_mm
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda x, *rest: rows.append(len(x)) or kernel(x, *rest))
+    layer(torch.randn(DEQUANTIZE_ROWS, 64, dtype=torch.bfloat16))
+    assert rows == [DEQUANTIZE_ROWS]  # a prompt's rows, on the kernel
 
 
 @pytest.mark.parametrize("model", ["gqa", "tied"])
