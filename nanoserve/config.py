@@ -87,7 +87,8 @@ class Config:
     # slower at 48, and took 30-90 s to start (docs/performance.md, "The compiled step")
     enforce_eager: bool = True
     speculative_config: dict | None = None    # vLLM's, method "ngram" only (spec_decode.py); None: off
-    quantization: str | None = None           # "int8": weights int8, one scale per output channel (quantization.py)
+    quantization: str | None = None           # "int8": a scale per output channel; "int4": per group (quantization.py)
+    quantization_config: dict | None = None   # int4's {"group_size": 32, 64 or 128}; None: 32
 
     def __post_init__(self) -> None:
         require(isinstance(self.model, str), "model", self.model, "a path to a model folder (str)")
@@ -103,8 +104,13 @@ class Config:
             require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
         require(self.device is None or isinstance(self.device, str), "device", self.device,
                 "a str such as 'cpu', 'cuda', 'cuda:1' or 'mps'")
-        require(self.quantization in (None, "int8"), "quantization", self.quantization,
-                "None or 'int8' (weight-only, a scale per output channel)")
+        require(self.quantization in (None, "int8", "int4"), "quantization", self.quantization,
+                "None, 'int8' (weight-only, a scale per output channel) or 'int4' (weight-only, group-wise)")
+        if self.quantization_config is not None:
+            require(self.quantization == "int4" and isinstance(self.quantization_config, dict)
+                    and set(self.quantization_config) <= {"group_size"}
+                    and self.quantization_config.get("group_size", 32) in (32, 64, 128), "quantization_config",
+                    self.quantization_config, "None, or with quantization='int4' {'group_size': 32, 64 or 128}")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # raises a ValueError naming the key at fault
         require(is_finite_real(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,

@@ -1,7 +1,8 @@
-"""Int8 weight-only quantization (nanoserve/extensions/quantization.py): the layer's products equal a matmul by its
-dequantized weight, the engine is token-exact with transformers running weights dequantized by the
-rule written out here (`quantize_by_hand`), alone, compiled and under tensor parallelism, and bad
-values are named errors."""
+"""Int8 and int4 weight-only quantization (nanoserve/extensions/quantization.py).
+
+A layer's products equal a matmul by its dequantized weight. The engine is token-exact with transformers
+running weights dequantized by the rules written out here (`quantize_by_hand`, `quantize_int4_by_hand`).
+That holds alone, compiled and under tensor parallelism. Bad values are named errors."""
 from functools import partial
 
 import pytest
@@ -16,7 +17,7 @@ from conftest import greedy
 from nanoserve import LLM
 from nanoserve.config import Config
 from nanoserve.extensions import quantization
-from nanoserve.extensions.quantization import DEQUANTIZE_ROWS, Int8Linear, check_kernel, quantize_linears
+from nanoserve.extensions.quantization import DEQUANTIZE_ROWS, Int4Linear, Int8Linear, check_kernel, quantize_linears
 from nanoserve.models.loader import load_model, read_checkpoint
 
 
@@ -27,7 +28,20 @@ def quantize_by_hand(weight: torch.Tensor) -> torch.Tensor:
     return torch.round(weight.float() / scale) * scale
 
 
-def save_dequantized(path: str, out: str, row_parallel_parts: int = 1) -> str:
+def quantize_int4_by_hand(weight: torch.Tensor, group_size: int = 32) -> torch.Tensor:
+    """int4's rule, independently of the code under test. Each run of `group_size` weights in a row is cut
+    into 15 equal steps from its min to its max, each weight rounded to the nearest step. The scale and the
+    point 8 steps above the min are rounded to the weight's dtype first. Returned dequantized, in float32."""
+    out_features, in_features = weight.shape
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
+    low, high = groups.amin(dim=2, keepdim=True), groups.amax(dim=2, keepdim=True)
+    step = ((high - low) / 15).to(weight.dtype).float()
+    middle = (low + 8 * step).to(weight.dtype).float()
+    steps = torch.clamp(torch.round((groups - middle) / step), -8, 7)
+    return (steps * step + middle).reshape(out_features, in_features)
+
+
+def save_dequantized(path: str, out: str, row_parallel_parts: int = 1, quantize=quantize_by_hand) -> str:
     """transformers' model of `path` with every linear's weight (lm_head's too, untied from the embedding)
     dequantized by hand, saved to `out`. With tensor parallelism over `row_parallel_parts` ranks, o_proj
     and down_proj are split on their input dim, and each rank's columns get scales of their own."""
@@ -37,7 +51,7 @@ def save_dequantized(path: str, out: str, row_parallel_parts: int = 1) -> str:
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear):
                 parts = row_parallel_parts if name.endswith(("o_proj", "down_proj")) else 1
-                weight = torch.cat([quantize_by_hand(part) for part in module.weight.chunk(parts, dim=1)], dim=1)
+                weight = torch.cat([quantize(part) for part in module.weight.chunk(parts, dim=1)], dim=1)
                 module.weight = nn.Parameter(weight)
     model.save_pretrained(out)
     return out
@@ -167,9 +181,77 @@ def test_tensor_parallel_int8_quantizes_each_shard(tiny_models, tmp_path):
 def test_bad_quantization_values_are_named(tiny_models):
     """Catches an unknown method accepted (and silently not applied), and a dtype the kernel refuses found
     only in the first step, as a RuntimeError that names no parameter."""
-    for value in ("int4", "INT8", True):
-        with pytest.raises(ValueError, match="quantization must be None or 'int8'"):
+    for value in ("int3", "INT8", True):
+        with pytest.raises(ValueError, match="quantization must be None, 'int8'"):
             Config(model=tiny_models["gqa"], quantization=value)
     linear = nn.Linear(16, 8).to(torch.float64)  # the kernel takes 16- and 32-bit floats only
     with pytest.raises(ValueError, match="quantization='int8' is not supported here.*float64"):
         check_kernel(Int8Linear(linear), linear.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4_linear_follows_the_rule_by_hand(dtype, group_size):
+    """The layer's weight is the hand rule's, and its products are a matmul by it. Catches groups taken along
+    the wrong dim, the zero point off by a step, a scale not rounded to dtype, and a bias dropped."""
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 48).to(dtype)
+    layer = Int4Linear(linear, group_size)
+    # equal to float32's last bit or so (the kernel may fuse (q - 8) * scale + zero); a step here is ~5e-3
+    expected = quantize_int4_by_hand(linear.weight.detach(), group_size)
+    torch.testing.assert_close(layer.dequantize(), expected, rtol=0, atol=1e-7)
+    for rows in (1, 7, DEQUANTIZE_ROWS + 3):
+        x = torch.randn(rows, 128).to(dtype)
+        expected = x.float() @ layer.dequantize().T + linear.bias.detach().float()
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(layer(x).float(), expected, atol=tolerance * expected.abs().max(), rtol=tolerance)
+
+
+@pytest.mark.parametrize("model", ["gqa", "tied", "mistral", "qwen2", "qwen3"])
+def test_engine_int4_matches_transformers_on_dequantized_weights(tiny_models, tmp_path, model):
+    """Greedy tokens equal transformers' on weights dequantized by the int4 rule. Catches a linear left in
+    float, a tied lm_head left in float, and the embedding quantized too."""
+    path = tiny_models[model]
+    llm = LLM(path, quantization="int4", block_size=4)
+    ours = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)
+    expected = conftest.reference(save_dequantized(path, str(tmp_path / "dq"), quantize=quantize_int4_by_hand),
+                                  PROMPTS, MAX_TOKENS)
+    assert [o.token_ids for o in ours] == expected
+    net = llm.engine.model_runner.model
+    assert isinstance(net.lm_head, Int4Linear) and not any(isinstance(m, nn.Linear) for m in net.modules())
+    assert net.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_int4_group_size_comes_from_quantization_config(tiny_models, tmp_path):
+    """quantization_config={"group_size": 64} quantizes groups of 64, token-exact with the rule at 64. Catches
+    the setting ignored (groups of 32 give other weights, so other logits and, here, other tokens)."""
+    path = tiny_models["gqa"]
+    llm = LLM(path, quantization="int4", quantization_config={"group_size": 64}, block_size=4)
+    assert {m.group_size for m in llm.engine.model_runner.model.modules() if isinstance(m, Int4Linear)} == {64}
+    ours = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)
+    dequantized = save_dequantized(path, str(tmp_path / "dq"), quantize=partial(quantize_int4_by_hand, group_size=64))
+    assert [o.token_ids for o in ours] == conftest.reference(dequantized, PROMPTS, MAX_TOKENS)
+
+
+def test_bad_int4_settings_are_named(tiny_models):
+    """A group size that is not 32, 64 or 128, a quantization_config without int4, and a layer whose inputs
+    are not whole groups each get a ValueError naming the problem, not a kernel error mid-step."""
+    path = tiny_models["gqa"]
+    for settings in ({"quantization": "int4", "quantization_config": {"group_size": 16}},
+                     {"quantization": "int8", "quantization_config": {"group_size": 32}},
+                     {"quantization": "int4", "quantization_config": {"bits": 4}}):
+        with pytest.raises(ValueError, match="quantization_config"):
+            Config(model=path, **settings)
+    with pytest.raises(ValueError, match=r"int4.*64 inputs must be a multiple of the group size 128"):
+        LLM(path, quantization="int4", quantization_config={"group_size": 128})
+
+
+def test_compiled_int8_prompt_step_does_not_recompile(tiny_models, tmp_path):
+    """A compiled step of DEQUANTIZE_ROWS or more rows runs the graph traced at warm-up. Catches the row count
+    tested before is_compiling(): tracing then guards on it, and the first long prompt recompiles."""
+    from test_compilation import run_without_recompiles
+    llm = LLM(tiny_models["gqa"], quantization="int8", enforce_eager=False, block_size=4)
+    prompt = [(7 * i) % 250 + 3 for i in range(DEQUANTIZE_ROWS + 20)]
+    ours = run_without_recompiles(llm, [prompt, PROMPTS[0]], [4, 4])
+    dequantized = save_dequantized(tiny_models["gqa"], str(tmp_path / "dq"))
+    assert ours == conftest.reference(dequantized, [prompt, PROMPTS[0]], [4, 4])

@@ -34,6 +34,7 @@ from nanoserve.device import has_onednn
 
 # from this many rows (a prompt's) a CPU step multiplies by the converted weight, not the int8 kernel (above)
 DEQUANTIZE_ROWS = 128
+INT4_GROUP_SIZES = (32, 64, 128)  # inputs that share one int4 scale and zero; 32 is the default
 
 
 class Int8Linear(nn.Module):
@@ -54,8 +55,9 @@ class Int8Linear(nn.Module):
         self.convert_prompts = weight.device.type == "cpu" and native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [N, in]; the compiled step keeps the kernel, which inductor times against its own int8 templates
-        if x.shape[0] >= DEQUANTIZE_ROWS and self.convert_prompts and not torch.compiler.is_compiling():
+        # x [N, in]. The compiled step keeps the kernel, which inductor times against its own int8 templates.
+        # is_compiling() comes before the row count, so tracing never guards on N (a guard recompiles at 128 rows).
+        if self.convert_prompts and not torch.compiler.is_compiling() and x.shape[0] >= DEQUANTIZE_ROWS:
             y = torch.nn.functional.linear(x, self.weight_int8.to(x.dtype)) * self.scale  # [N, out]
         else:
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight_int8, self.scale)  # [N, out]
@@ -66,29 +68,93 @@ class Int8Linear(nn.Module):
         return self.weight_int8.float() * self.scale.float()[:, None]
 
 
-def quantize_linears(model: nn.Module, quantization: str) -> nn.Module:
-    """Replace every nn.Linear of a loaded model by its `quantization` ("int8": Int8Linear), or raise a
-    ValueError where torch has no int8 kernel for this device and dtype (Config checks the name)."""
+class Int4Linear(nn.Module):
+    """nn.Linear with a 4-bit weight. Each group of `group_size` inputs in a row shares a scale and a zero.
+
+    The rule, for one group of weights w (asymmetric: the group's range is split into 16 steps):
+        scale = (max(w) - min(w)) / 15     rounded to `dtype`; a group of equal weights gets scale 1
+        zero  = min(w) + 8 * scale         rounded to `dtype`
+        q     = round((w - zero) / scale) + 8, an int in [0, 15]
+        w    ~= (q - 8) * scale + zero
+    torch's int4 kernels compute x @ that weight, reading two q per byte. The weight is packed in the
+    kernel's own layout, so the q are kept nowhere else.
+    """
+
+    def __init__(self, linear: nn.Linear, group_size: int):
+        super().__init__()
+        weight = linear.weight.detach()  # [out, in], in the activation dtype
+        out_features, in_features = weight.shape
+        groups = weight.float().reshape(out_features, in_features // group_size, group_size)  # [out, groups, size]
+        low, high = groups.amin(dim=2), groups.amax(dim=2)  # [out, groups]
+        scale = ((high - low) / 15).to(weight.dtype)
+        scale = scale.where(scale > 0, 1)
+        zero = (low + 8 * scale.float()).to(weight.dtype)
+        # q is the nearest int4 to w under the rounded scale and zero that the kernel uses
+        q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None]) + 8  # [out, groups, size]
+        q = q.clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
+        self.group_size = group_size
+        self.register_buffer("scale_and_zero", torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous())
+        self.register_buffer("weight_int4", pack_int4(q))  # [groups, out, 2] above; this one is the kernel's
+        self.bias = linear.bias  # [out] or None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.int4_mm(x.contiguous(), self.scale_and_zero)  # [N, out]
+        return y if self.bias is None else y + self.bias
+
+    def int4_mm(self, x: torch.Tensor, scale_and_zero: torch.Tensor) -> torch.Tensor:
+        cpu = x.device.type == "cpu"
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu if cpu else torch.ops.aten._weight_int4pack_mm
+        return mm(x, self.weight_int4, self.group_size, scale_and_zero)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] this layer multiplies by, in float32: the kernel's product with the identity.
+        Each output sums one product, so it is (q - 8) * scale + zero, exact in float32."""
+        eye = torch.eye(self.scale_and_zero.shape[0] * self.group_size, device=self.scale_and_zero.device)
+        return self.int4_mm(eye, self.scale_and_zero.float()).T
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [out, in] (ints in [0, 15]) in the layout of torch's int4 kernel for q's device."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # its own tiles, two q per byte
+    two_per_byte = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # [out, in / 2]: what the CUDA kernel reads
+    return torch.ops.aten._convert_weight_to_int4pack(two_per_byte, 8)  # 8 inner k-tiles, as tinygemm wants
+
+
+def quantize_linears(model: nn.Module, quantization: str, group_size: int = 32) -> nn.Module:
+    """Replace every nn.Linear of a loaded model by its `quantization` ("int8": Int8Linear; "int4": Int4Linear of
+    `group_size`). A device, dtype or shape torch's kernel refuses is a ValueError (Config checks the names)."""
     weight = model.lm_head.weight
     if weight.device.type == "cpu" and weight.dtype == torch.float32:
         logging.getLogger(__name__).warning(
-            "quantization='int8' with float32 activations: torch's CPU int8 kernel is many times slower with them "
-            "than with bfloat16 ones; dtype='bfloat16' is its fast pairing (docs/quantization.md)")
+            f"quantization={quantization!r} with float32 activations: torch's CPU {quantization} kernel is many times "
+            "slower with them than with bfloat16 ones; dtype='bfloat16' is its fast pairing (docs/quantization.md)")
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
-            quantized = Int8Linear(module)
-            check_kernel(quantized, module.weight)
+            check_shape(name, module.weight, quantization, group_size)
+            quantized = Int8Linear(module) if quantization == "int8" else Int4Linear(module, group_size)
+            check_kernel(quantized, module.weight, quantization)
             model.set_submodule(name, quantized)
     return model
 
 
-def check_kernel(layer: Int8Linear, weight: torch.Tensor) -> None:
+def check_shape(name: str, weight: torch.Tensor, quantization: str, group_size: int) -> None:
+    """int4 splits each row into whole groups, and torch's CPU kernel takes rows in tiles of 16."""
+    out_features, in_features = weight.shape
+    if quantization == "int4" and (in_features % group_size or out_features % 16):
+        raise ValueError(f"quantization='int4' cannot quantize {name} of shape {list(weight.shape)}: its "
+                         f"{in_features} inputs must be a multiple of the group size {group_size}, and its "
+                         f"{out_features} outputs a multiple of 16")
+
+
+def check_kernel(layer: nn.Module, weight: torch.Tensor, quantization: str = "int8") -> None:
     """Run `layer` on one row of zeros: a device, dtype or shape the kernel refuses is a ValueError now,
     at load, not in the first step."""
+    kernel = "aten._weight_int8pack_mm" if quantization == "int8" else "aten._weight_int4pack_mm"
     try:
         layer(torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device))
     except (RuntimeError, NotImplementedError) as error:
         first_line = (str(error).strip().splitlines() or [""])[0]
-        raise ValueError(f"quantization='int8' is not supported here: torch {torch.__version__} has no int8 kernel "
-                         f"(aten._weight_int8pack_mm) for a {list(weight.shape)} {weight.dtype} weight on "
+        raise ValueError(f"quantization={quantization!r} is not supported here: torch {torch.__version__} has no "
+                         f"{quantization} kernel ({kernel}) for a {list(weight.shape)} {weight.dtype} weight on "
                          f"{weight.device.type}: {first_line}") from error
