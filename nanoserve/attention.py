@@ -1,35 +1,39 @@
-"""Attention over a paged KV cache: write the step's new k, v into their slots, then attend every
-query to all keys of its request, read from the cache.
+"""Attention over a paged KV cache. Each step writes its new k, v into their slots. Then every query
+attends to all keys of its request, read from the cache.
 
-The KV cache of one layer is two tensors `k_cache`, `v_cache` of shape
+The KV cache of one layer is two tensors, `k_cache` and `v_cache`, of shape
 `[num_blocks, block_size, num_kv_heads, head_dim]` (flash-attn's paged layout). Token `p` of a
-request lives in block `block_tables[b][p // block_size]` at offset `p % block_size`, i.e. at the
-flat slot `block_id * block_size + offset`; `slot_mapping` names the slot of each new token.
+request lives in block `block_tables[b][p // block_size]` at offset `p % block_size`. That is the
+flat slot `block_id * block_size + offset`. `slot_mapping` names the slot of each new token.
 
-Block 0 is the null block: the block manager never hands it out, so no request's `slot_mapping` entry
-points into it, and 0 pads the rows of `block_tables`. Why no request may write it: padding is read. The
-torch backend copies whole rows of a decode group's table, padding included, then masks the keys
-past each request's own with -inf. A mask removes a key only if what was read is finite (-inf + inf
-and 0 * inf are NaN), and every request's padding reads the same block 0: kept at the zeros the
-cache starts with, it is masked away harmlessly; one non-finite write there would reach them all.
-(The padding rows of a CUDA graph write its slot 0: cuda_graphs.py, with the flash backend alone,
-which reads only each request's own keys.)
+Block 0 is the null block. The block manager never hands it out, so no request's `slot_mapping` entry
+points into it. 0 pads the rows of `block_tables`. No request may write block 0, because padding is read:
+- The torch backend copies whole rows of a decode group's table, padding included. Then it masks the
+  keys past each request's own with -inf.
+- A mask removes a key only if what was read is finite (-inf + inf and 0 * inf are NaN).
+- Every request's padding reads the same block 0. Kept at the zeros the cache starts with, it is masked
+  away harmlessly. One non-finite write there would reach them all.
+(The padding rows of a CUDA graph do write its slot 0. That is cuda_graphs.py, with the flash backend
+alone, which reads only each request's own keys.)
 
 Invariants both backends keep:
-  * causal masks are aligned bottom-right: with seqlen_q queries and seqlen_k keys, query i sees
-    key j iff j <= i + seqlen_k - seqlen_q (a prefill chunk sits at the end of its keys);
-  * query head h reads kv head h // (num_heads // num_kv_heads) (grouped-query attention);
-  * a query that sees no key at all gets a zero output, as flash-attn returns.
+  * Causal masks are aligned bottom-right. With seqlen_q queries and seqlen_k keys, query i sees
+    key j iff j <= i + seqlen_k - seqlen_q (a prefill chunk sits at the end of its keys).
+  * Query head h reads kv head h // (num_heads // num_kv_heads) (grouped-query attention).
+  * A query that sees no key at all gets a zero output, as flash-attn returns.
 
-Two backends share one shape: `prepare(batch, block_size, dtype)` once per step, which returns what
-every layer's attention shares (its metadata), and `forward(q, k, v, kv_cache, layer, metadata)` per
-layer: the whole cache and the layer's index, each backend taking `kv_cache[0, layer]` and `kv_cache[1,
-layer]` itself (why: models/llama.py). "flash" calls the flash-attn package's kernels (CUDA). "torch"
-runs anywhere, in plain PyTorch: its metadata is an `AttentionPlan` (which requests attend together, the
-blocks each reads, the masks), built from the host-side lengths by `plan_attention`. Decode rows are
-sorted by context length and attended in groups of ~8, each padded only to its own longest context; a
-prompt (chunk) is attended on its own. tests/flash_reference.py holds the plain per-request formulation
-that both are checked against.
+Two backends share one shape:
+- `prepare(batch, block_size, dtype)` runs once per step. It returns what every layer's attention
+  shares (its metadata).
+- `forward(q, k, v, kv_cache, layer, metadata)` runs per layer. It gets the whole cache and the layer's
+  index, and takes `kv_cache[0, layer]` and `kv_cache[1, layer]` itself (models/llama.py says why).
+
+"flash" calls the flash-attn package's kernels (CUDA). "torch" runs anywhere, in plain PyTorch.
+Its metadata is an `AttentionPlan`: which requests attend together, the blocks each reads, the masks.
+`plan_attention` builds it from the host-side lengths. Decode rows are sorted by context length and
+attended in groups of ~8. Each group is padded only to its own longest context. A prompt (chunk) is
+attended on its own. Both backends are checked against the plain per-request formulation in
+tests/flash_reference.py.
 """
 from __future__ import annotations
 
@@ -59,8 +63,8 @@ def store_kvcache(k: Tensor, v: Tensor, k_cache: Tensor,
 # ----------------------------------------------------------------------------- the torch backend
 
 def gather_blocks(cache: Tensor, block_table: Tensor) -> Tensor:
-    """Every block of each row of `block_table` `[B, num_blocks]`, copied out of the cache:
-    `[B, num_blocks * block_size, Hkv, D]`. Callers cut the table to the blocks they need."""
+    """Every block of each row of `block_table` `[B, num_blocks]`, copied out of the cache.
+    Returns `[B, num_blocks * block_size, Hkv, D]`. Callers cut the table to the blocks they need."""
     # index_select on the block axis copies whole blocks, several times faster on CPU than
     # advanced indexing: [B * num_blocks, block_size, Hkv, D] -> [B, num_blocks * block_size, Hkv, D]
     return cache.index_select(0, block_table.flatten()).view(block_table.shape[0], -1, *cache.shape[2:])
@@ -102,8 +106,9 @@ class PrefillRequest:
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """The torch backend's metadata: what every layer's attention shares in one step, built once
-    per step by `plan_attention`. Requests without a key appear in no group: their output stays 0."""
+    """The torch backend's metadata: what every layer's attention shares in one step.
+    `plan_attention` builds it once per step. Requests without a key appear in no group, so their
+    output stays 0."""
     slot_mapping: Tensor  # [N] where the step's k, v are written (store_kvcache)
     decode_groups: list[DecodeGroup]
     prefill_requests: list[PrefillRequest]
@@ -116,8 +121,8 @@ DECODE_GROUP_ROWS = 8
 
 
 def plan_attention(batch: Batch, block_size: int, dtype: torch.dtype) -> AttentionPlan:
-    """Group the step's requests for `paged_attention`, from the lengths the host holds: nothing is
-    read back from the device."""
+    """Group the step's requests for `paged_attention`. It uses the lengths the host holds, so nothing
+    is read back from the device."""
     device = batch.block_tables.device
     starts, k_lens = batch.query_start_loc_cpu, batch.seq_lens_cpu  # request b's queries: rows starts[b]:starts[b + 1]
     q_lens = np.diff(starts)
@@ -230,10 +235,12 @@ BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend, "flash": F
 def select_attention(name: str, block_size: int | str, device: torch.device, dtype: torch.dtype,
                      head_dim: int) -> tuple[str, int]:
     """Resolve the attention backend ("auto" | "torch" | "flash" | "triton") and block_size (an int or
-    "auto") together, failing at start-up, not mid-run, on a choice that cannot serve. flash-attn pages its
-    KV cache in whole 256-token blocks: "auto" takes flash with block_size 256 wherever flash-attn 2 can
-    run; elsewhere block_size 16 (vLLM's default), with the triton backend on CUDA where triton is
-    importable (triton_backend.choose_backend) and the torch backend everywhere else (CPU, MPS)."""
+    "auto") together. A choice that cannot serve fails here, at start-up, not mid-run.
+
+    flash-attn pages its KV cache in whole 256-token blocks. So "auto" takes flash with block_size 256
+    wherever flash-attn 2 can run. Elsewhere it takes block_size 16 (vLLM's default). The backend is then
+    triton on CUDA where triton is importable (triton_backend.choose_backend), and torch everywhere else
+    (CPU, MPS)."""
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown attention backend {name!r}; choose 'auto', 'torch', 'flash' or 'triton'")
     why_not = "attention_backend='torch'" if name == "torch" else why_not_flash(device, dtype, head_dim)
@@ -247,12 +254,15 @@ def select_attention(name: str, block_size: int | str, device: torch.device, dty
 
 
 def why_not_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why flash-attn 2 cannot serve here, or None where it can: an NVIDIA GPU of compute capability
-    8.0 to 9.x (its wheels hold kernels for sm80 and sm90; 10.x and up need a build for them), fp16 or
-    bf16, head_dim a multiple of 8 up to 256 (any other it pads, copying the whole cache every call),
-    and flash-attn 2.5.7 or later, whose flash_attn_varlen_func reads a paged cache (block_table).
-    flash-attn 3 and 4 are other packages with other functions: an install of flash-attn 4 alone
-    leaves an empty `flash_attn` namespace, whose import succeeds but holds neither function."""
+    """Why flash-attn 2 cannot serve here, or None where it can. It needs all of these:
+    - An NVIDIA GPU of compute capability 8.0 to 9.x. Its wheels hold kernels for sm80 and sm90;
+      10.x and up need a build for them.
+    - fp16 or bf16.
+    - head_dim a multiple of 8, up to 256. Any other it pads, copying the whole cache every call.
+    - flash-attn 2.5.7 or later, whose flash_attn_varlen_func reads a paged cache (block_table).
+
+    flash-attn 3 and 4 are other packages with other functions. An install of flash-attn 4 alone leaves
+    an empty `flash_attn` namespace: its import succeeds, but it holds neither function."""
     if torch.device(device).type != "cuda" or torch.version.hip:  # ROCm answers to "cuda" too, numbered its own way
         return f"flash-attn 2 needs an NVIDIA GPU (CUDA, not ROCm), got device {device}"
     capability = torch.cuda.get_device_capability(device)

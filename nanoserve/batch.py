@@ -1,7 +1,7 @@
 """The flat batch of one step: every scheduled request's current tokens laid end to end.
 
 This is the walkthrough's picture (docs/walkthrough.md) in code. `build_batch` turns the
-scheduler's plan into it; the model and the attention kernels read it. Nothing else carries
+scheduler's plan into it. The model and the attention kernels read it. Nothing else carries
 attention inputs: no globals.
 """
 from __future__ import annotations
@@ -52,15 +52,16 @@ class Batch:
 
 
 def samples_now(seq: Sequence, num_new: int) -> bool:
-    """A request samples a token in the step that runs its last token (not a mid-prompt chunk), and
-    its draft tokens if it has any (spec_decode.py)."""
+    """A request samples in the step that runs its last token, not in a mid-prompt chunk.
+    It samples a token there, and one at each of its draft tokens if it has any (spec_decode.py)."""
     return seq.num_computed_tokens + num_new >= seq.num_tokens
 
 
 def sampling_rows(scheduled: list[ScheduledSeq]) -> tuple[list[Sequence], list[int]]:
-    """The sampled rows of a step: 1 + k per request that samples now (its last token, then each of its k
-    drafts, from spec_decode.py; k = 0 without), with how many tokens the request has sampled before each,
-    so that every row samples as a step without drafts would."""
+    """The sampled rows of a step, and how many tokens the request has sampled before each row.
+
+    A request that samples now has 1 + k rows: its last token, then each of its k drafts (spec_decode.py).
+    Without drafts k = 0. The counts let every row sample as a step without drafts would."""
     rows = [(seq, j) for seq, num_new in scheduled if samples_now(seq, num_new)
             for j in range(1 + len(seq.spec_token_ids))]
     return [seq for seq, _ in rows], [seq.num_tokens - seq.num_prompt_tokens + j for seq, j in rows]
@@ -68,10 +69,12 @@ def sampling_rows(scheduled: list[ScheduledSeq]) -> tuple[list[Sequence], list[i
 
 def prompt_logprob_positions(scheduled: list[ScheduledSeq]) -> list[range]:
     """For each scheduled request, the positions of its tokens in this step whose logits give a prompt
-    logprob: position p predicts prompt token p + 1, up to the prompt's last token (whose logits sample).
-    Positions whose row is known are skipped: a preempted request recomputes its prompt, and its
-    prompt_logprobs are kept; so are those that a request earlier in the batch computes for the same
-    list (requests with the same prompt share it: scheduler.py). So each row is computed once."""
+    logprob. Position p predicts prompt token p + 1. That goes up to the prompt's last token, whose logits
+    sample.
+
+    Positions whose row is known are skipped. A preempted request recomputes its prompt, but its
+    prompt_logprobs are kept. Requests with the same prompt share one list (scheduler.py). So rows that a
+    request earlier in the batch computes for the same list are skipped too. Each row is computed once."""
     planned: dict[int, int] = {}  # id of a shared list -> the positions with a row by the end of this step
     found = []
     for seq, num_new in scheduled:
@@ -88,10 +91,12 @@ def prompt_logprob_positions(scheduled: list[ScheduledSeq]) -> list[range]:
 def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.device) -> Batch:
     """Flatten the scheduled requests' current tokens into one Batch. A pure function.
 
-    Request r runs its tokens [num_computed_tokens, num_computed_tokens + num_new): a whole prompt,
-    a prompt chunk, or one decode token. Each request's positions count on from its
-    num_computed_tokens: 0, 1, ... for a new prompt without a prefix-cache hit; after a hit of k
-    tokens, k, k + 1, ...; for a decode, the token's index in its sequence.
+    Request r runs its tokens [num_computed_tokens, num_computed_tokens + num_new). That is a whole
+    prompt, a prompt chunk, or one decode token. Each request's positions count on from its
+    num_computed_tokens:
+    - 0, 1, ... for a new prompt without a prefix-cache hit;
+    - k, k + 1, ... after a hit of k tokens;
+    - for a decode, the token's index in its sequence.
     """
     input_ids: list[int] = []
     prompt_rows, next_token_ids = [], []

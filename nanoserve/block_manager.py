@@ -1,33 +1,35 @@
 """The paged KV cache's bookkeeping (PagedAttention), in plain Python: no tensors here.
 
-The KV cache is cut into `num_blocks` blocks of `block_size` slots; token t of a request lives in
-slot `block_table[t // block_size] * block_size + t % block_size` (the walkthrough's slot_mapping, docs/walkthrough.md).
+The KV cache is cut into `num_blocks` blocks of `block_size` slots. Token t of a request lives in
+slot `block_table[t // block_size] * block_size + t % block_size`. That is the walkthrough's
+slot_mapping (docs/walkthrough.md).
 
 Invariants:
-- Block 0 is the null block: never handed out, so 0 can pad a block table.
+- Block 0 is the null block. It is never handed out, so 0 can pad a block table.
 - A block is in the free queue iff its ref_cnt is 0. ref_cnt counts the block tables that hold it.
-- Free blocks are handed out first-in first-out, and a freed block keeps its KV: if it is full and
-  hashed it stays findable in the prefix cache until it is handed out again (evicted). So the free
+- Free blocks are handed out first-in first-out, and a freed block keeps its KV. If it is full and
+  hashed, it stays findable in the prefix cache until it is handed out again (evicted). So the free
   queue is also the least-recently-used order of the cache.
-- Prefix caching: a full block is keyed by a SHA-256 hash chained over (parent block's hash, its
-  tokens), so one key names the whole prefix up to and including that block. The key only finds a
-  candidate: a hit is verified exactly, against the block's own tokens and its `parent`, the cached
-  block before it, itself verified the same way. So a hit implies the whole prefix matches, even if
-  two prefixes' keys collided (a crafted prompt can never be served another request's KV).
-- A block is cached only after its parent: a request whose previous block is not the cached one
-  (the same prefix was cached by someone else first) caches none of its later blocks. So whoever
-  holds a cached block also holds its parent, a child is freed, and so evicted, before its parent,
-  and a cached block's parent is always cached.
-- A block is cached when the step that fills it is scheduled (as vLLM V1), so a request admitted
-  later in the same step can share it. That is safe because every layer stores all of the step's
-  k, v before any attention reads them (`Attention.forward`, attention.py), in whatever batch order.
-  So "computed" means: its KV is in the cache, or this step stores it before anyone reads it. Every
-  holder of a shared or cached block has computed it in that sense; a block is written by one
-  request only. Its writer is never preempted in that step (the scheduler preempts only requests
-  not yet scheduled, and admits no one in a step that preempted). A request freed with blocks it
-  never computed (the step failed, and its requests are aborted) uncaches them.
-- Shared blocks are full, hence read-only once the step that fills them ran: a request only ever
-  writes into its own last blocks.
+- Prefix caching keys a full block by a SHA-256 hash chained over (parent block's hash, its tokens).
+  So one key names the whole prefix up to and including that block. The key only finds a candidate.
+  A hit is verified exactly, against the block's own tokens and its `parent`. The parent is the cached
+  block before it, itself verified the same way. So a hit implies the whole prefix matches, even if two
+  prefixes' keys collided. A crafted prompt can never be served another request's KV.
+- A block is cached only after its parent. Sometimes a request's previous block is not the cached one,
+  because someone else cached the same prefix first. Then the request caches none of its later blocks.
+  So whoever holds a cached block also holds its parent. A child is freed, and so evicted, before its
+  parent. A cached block's parent is always cached.
+- A block is cached when the step that fills it is scheduled (as vLLM V1). So a request admitted later
+  in the same step can share it. That is safe because every layer stores all of the step's k, v before
+  any attention reads them, in whatever batch order (`Attention.forward`, attention.py).
+  So "computed" means: its KV is in the cache, or this step stores it before anyone reads it.
+  Every holder of a shared or cached block has computed it in that sense.
+  A block is written by one request only. Its writer is never preempted in that step: the scheduler
+  preempts only requests not yet scheduled, and admits no one in a step that preempted.
+  A request may be freed with blocks it never computed (the step failed, and its requests are aborted).
+  It uncaches them.
+- Shared blocks are full, hence read-only once the step that fills them ran. A request only ever writes
+  into its own last blocks.
 `assert_invariants` and `assert_writable` check all of this (tests call them after every step).
 """
 from __future__ import annotations
@@ -71,16 +73,17 @@ class BlockManager:
         return len(self.free_queue)
 
     def num_free_slots(self, seq: Sequence) -> int:
-        """How many more tokens seq can write without anyone freeing a block: the rest of its
-        blocks plus every free block."""
+        """How many more tokens seq can write without anyone freeing a block.
+        That is the rest of its blocks plus every free block."""
         return (len(seq.block_table) + self.num_free_blocks) * self.block_size - seq.num_computed_tokens
 
     def find_cached_prefix(self, seq: Sequence, max_tokens: int | None = None) -> list[int]:
-        """The cached blocks that hold seq's leading full blocks, in order, covering at most `max_tokens`
-        tokens (the scheduler's limit for prompt logprobs, whose rows a hit would skip).
+        """The cached blocks that hold seq's leading full blocks, in order.
+        They cover at most `max_tokens` tokens: the scheduler's limit for prompt logprobs, whose rows a hit
+        would skip.
 
-        Only blocks before the last token are looked up: the last token is always recomputed, so
-        even a full hit leaves one token to run and yields logits to sample from. Without prefix caching
+        Only blocks before the last token are looked up. The last token is always recomputed. So even a
+        full hit leaves one token to run, which yields logits to sample from. Without prefix caching
         nothing is ever cached (cache_full_blocks), so nothing is found.
         """
         num_tokens = seq.num_tokens - 1 if max_tokens is None else min(seq.num_tokens - 1, max_tokens)
@@ -124,11 +127,13 @@ class BlockManager:
         return True
 
     def free(self, seq: Sequence, num_tokens: int = 0) -> None:
-        """Return seq's blocks past its first `num_tokens` slots: all of them by default (it finished, was
-        aborted or preempted), or those only rejected draft tokens used (spec_decode.py: never shared nor
-        cached, as no accepted token is in them). Its last blocks go to the queue first: they are the least
-        likely to be shared, so they are evicted before the prefix they extend. A block cached for a step
-        that never ran (it raised) holds no KV: it leaves the cache."""
+        """Return seq's blocks past its first `num_tokens` slots.
+
+        By default that is all of them: seq finished, was aborted or was preempted. Otherwise it is the
+        blocks only rejected draft tokens used (spec_decode.py). Those are never shared nor cached, as no
+        accepted token is in them. Its last blocks go to the queue first. They are the least likely to be
+        shared, so they are evicted before the prefix they extend. A block cached for a step that never
+        ran (it raised) holds no KV, so it leaves the cache."""
         while len(seq.block_table) > cdiv(num_tokens, self.block_size):
             block = self.blocks[seq.block_table.pop()]
             # the block just popped holds slots [len(block_table) * block_size, (len(block_table) + 1) * block_size)
@@ -162,9 +167,9 @@ class BlockManager:
             block.hash = block.token_ids = block.parent = None
 
     def assert_invariants(self, seqs: list[Sequence], scheduled: list[ScheduledSeq] = ()) -> None:
-        """Check the invariants above against `seqs`, all the live requests, and this step's plan
-        `scheduled` if it has not run yet; raise AssertionError naming what broke. With no live
-        request every block must be free: nothing leaked."""
+        """Check the invariants above; raise AssertionError naming what broke.
+        `seqs` is all the live requests. `scheduled` is this step's plan, if it has not run yet.
+        With no live request every block must be free: nothing leaked."""
         # tokens computed by the end of this step, as the invariants mean it
         computed = {seq: seq.num_computed_tokens for seq in seqs}
         computed.update((seq, seq.num_computed_tokens + num_new) for seq, num_new in scheduled)
@@ -194,10 +199,10 @@ class BlockManager:
                 f"cached block {block_id} outlived its parent block {block.parent}"
 
     def assert_writable(self, scheduled: list[ScheduledSeq]) -> None:
-        """Check one step's plan: the slots each request writes, [num_computed_tokens,
-        num_computed_tokens + num_new), lie in its blocks, and no block is written by two requests.
+        """Check one step's plan. The slots each request writes, [num_computed_tokens,
+        num_computed_tokens + num_new), lie in its blocks. No block is written by two requests.
         Others may hold a block written now only if it is full after this step and they read it
-        (assert_invariants): never before the step that writes it."""
+        (assert_invariants). They never read it before the step that writes it."""
         writers: dict[int, Sequence] = {}
         for seq, num_new in scheduled:
             end = seq.num_computed_tokens + num_new

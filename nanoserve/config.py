@@ -1,24 +1,25 @@
 """Engine configuration: one frozen dataclass, checked once, never written back.
 
-A Config says exactly what the user asked for. What is derived from it and the machine at start-up
-is computed once, where it is needed, and passed on as an argument or held by its owner:
-- device (`device.resolve_device`: cuda if available, else cpu) -> the engine, the model runner;
-- max_model_len (the model's max_position_embeddings unless given: `LLMEngine.__init__`) -> the
-  scheduler (length stop, static reservation) and the model runner (cache sizing);
-- dtype (`device.resolve_dtype`: the checkpoint's, as transformers parsed it from config.json; on CUDA
-  bfloat16, float16 below sm80; on a CPU a bfloat16 checkpoint stays bfloat16 only where its matmuls beat
-  float32, AMX on x86, else float32),
-  the attention backend and the block_size (`attention.select_attention`: flash and 256 where
-  flash-attn 2 runs, else torch and 16) -> the model runner, which loads the model with them;
-  block_size also -> the engine, the scheduler;
-- config.json, read once with the model's family (`models.loader.read_checkpoint`, `models.families.describe`
-  by config.json's `architectures`) -> the model runner, which loads the model with them;
-- on a CPU, each linear layer's weight layout (`layers.linear.choose_linear`, from the dtype, what
-  oneDNN does on this CPU, and enforce_eager with max_num_seqs; applied at load by `pack_linears`), or int8 weights with
-  `quantization` (quantization.py) -> the model;
-- num_blocks (`ModelRunner.size_kv_cache` on rank 0 alone, from free memory, unless
-  num_kvcache_blocks is given; broadcast to the other ranks) -> the KV cache and the block manager;
-- the tokenizer and the EOS token ids (tokenizer.py) -> the engine and the scheduler.
+A Config says exactly what the user asked for. What start-up derives from it and the machine is computed
+once, where it is needed. It is passed on as an argument, or held by its owner. Each derived value, where
+it comes from, and who uses it:
+- device. `device.resolve_device` picks cuda if available, else cpu. The engine and the model runner use it.
+- max_model_len. It is the model's max_position_embeddings unless given (`LLMEngine.__init__`).
+  The scheduler uses it for the length stop and the static reservation. The model runner sizes the cache by it.
+- dtype. `device.resolve_dtype` starts from the checkpoint's, as transformers parsed it from config.json.
+  On CUDA it is bfloat16, or float16 below sm80. On a CPU a bfloat16 checkpoint stays bfloat16 only where
+  its matmuls beat float32 (AMX on x86). Else it is float32.
+- the attention backend and the block_size. `attention.select_attention` picks flash and 256 where
+  flash-attn 2 runs, else 16 with torch (or triton on CUDA). The model runner loads the model with them,
+  and with the dtype. The engine and the scheduler use block_size too.
+- config.json. `models.loader.read_checkpoint` reads it once, with the model's family
+  (`models.families.describe`, by config.json's `architectures`). The model runner loads the model with it.
+- on a CPU, each linear layer's weight layout. `layers.linear.choose_linear` picks it from the dtype, what
+  oneDNN does on this CPU, and enforce_eager with max_num_seqs. `pack_linears` applies it to the model at
+  load. With `quantization` the weights are int8 instead (quantization.py).
+- num_blocks. `ModelRunner.size_kv_cache` computes it from free memory, on rank 0 alone, unless
+  num_kvcache_blocks is given. It is broadcast to the other ranks. The KV cache and the block manager use it.
+- the tokenizer and the EOS token ids (tokenizer.py). The engine and the scheduler use them.
 """
 from __future__ import annotations
 
@@ -37,10 +38,11 @@ DISABLE_BY_BATCH_SIZE = 8
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `speculative_config` keys for method "ngram" (spec_decode.py drafts with them). Without
-    prompt_lookup_min and _max both are 5, as in vLLM; with one, the other takes its value.
-    disable_by_batch_size: no drafts while this many requests run (vLLM's default is never; ours is
-    DISABLE_BY_BATCH_SIZE, see docs/speculative-decoding.md)."""
+    """vLLM's `speculative_config` keys for method "ngram" (spec_decode.py drafts with them).
+
+    Without prompt_lookup_min and _max, both are 5, as in vLLM. With one, the other takes its value.
+    There are no drafts while disable_by_batch_size requests run. vLLM's default is never. Ours is
+    DISABLE_BY_BATCH_SIZE (docs/speculative-decoding.md says why)."""
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int

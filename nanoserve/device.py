@@ -14,8 +14,8 @@ X86 = ("x86_64", "amd64", "i686")  # platform.machine() of an x86 CPU, lower cas
 
 
 def resolve_device(name: str | None) -> torch.device:
-    """Config's device -> torch.device. None picks CUDA where there is one, else the CPU; "mps"
-    (Apple GPUs) runs the torch attention backend. A device this machine lacks is a ValueError."""
+    """Config's device -> torch.device. None picks CUDA where there is one, else the CPU.
+    "mps" (Apple GPUs) runs the torch attention backend. A device this machine lacks is a ValueError."""
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -31,14 +31,16 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device, saved: torch.dtype | None = None) -> torch.dtype:
-    """Config's dtype name -> torch dtype. "auto" follows the checkpoint, as transformers and vLLM do:
-    `saved`, the checkpoint's config.json's `dtype` (or older `torch_dtype`) as transformers parses it
-    (`PretrainedConfig.dtype`), float32 where it names none or another dtype; on
-    CUDA float32 becomes bfloat16 (flash-attn needs 16 bits), or float16 below compute capability 8.0,
-    which has no bfloat16 tensor cores (vLLM's rule). On a CPU "auto" keeps bfloat16 only where its
-    matmuls beat float32 at batch decode (AMX on x86: `why_not_native_bf16(batched=True)` is None), else
-    runs float32 and logs that reason; a bfloat16 asked for by name obeys, with a warning where it is
-    emulated, naming why."""
+    """Config's dtype name -> torch dtype.
+
+    "auto" follows the checkpoint, as transformers and vLLM do. It starts from `saved`: the `dtype` (or
+    older `torch_dtype`) of the checkpoint's config.json, as transformers parses it (`PretrainedConfig.dtype`).
+    That is float32 where it names none or another dtype.
+    - On CUDA, float32 becomes bfloat16, because flash-attn needs 16 bits. Below compute capability 8.0 it
+      becomes float16, since those GPUs have no bfloat16 tensor cores (vLLM's rule).
+    - On a CPU, "auto" keeps bfloat16 only where its matmuls beat float32 at batch decode. That is AMX on
+      x86, where `why_not_native_bf16(batched=True)` is None. Else it runs float32 and logs that reason.
+    A bfloat16 asked for by name obeys. Where it is emulated, a warning names why."""
     if name == "auto":
         dtype = saved if saved in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
         if device.type == "cuda" and dtype != torch.float16:
@@ -60,8 +62,10 @@ def resolve_dtype(name: str, device: torch.device, saved: torch.dtype | None = N
 
 
 def has_onednn(dtype: torch.dtype) -> bool:
-    """Whether oneDNN multiplies `dtype` on this CPU: float32 on x86 (measured only there); bfloat16 where it
-    has bf16 kernels (AVX512 or newer, Arm BF16; not on AVX2, nor under ONEDNN_MAX_CPU_ISA=AVX2)."""
+    """Whether oneDNN multiplies `dtype` on this CPU.
+    - float32: on x86 (measured only there).
+    - bfloat16: where it has bf16 kernels. That is AVX512 or newer, or Arm BF16. It is not AVX2, nor
+      anything under ONEDNN_MAX_CPU_ISA=AVX2."""
     if not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16:
@@ -70,12 +74,13 @@ def has_onednn(dtype: torch.dtype) -> bool:
 
 
 def why_not_native_bf16(batched: bool = False) -> str | None:
-    """Why this CPU does not multiply bfloat16 natively, or None where it does: oneDNN's bf16 kernels are
-    on (not in a torch built without oneDNN, on an AVX2 CPU, under ONEDNN_MAX_CPU_ISA=AVX2, nor on an Arm
-    CPU without BF16 instructions) and, on x86, AVX512-BF16 or AMX does the products (plain AVX512
-    converts each to float32 first). `batched`: and faster than float32 for a batch of decodes, which on
-    x86 takes AMX: with AVX512-BF16 alone, 48 requests ran slower in bfloat16 than in float32 on both
-    CPUs measured (docs/performance.md, "Which CPU")."""
+    """Why this CPU does not multiply bfloat16 natively, or None where it does. Native needs both:
+    - oneDNN's bf16 kernels are on. They are off in a torch built without oneDNN, on an AVX2 CPU, under
+      ONEDNN_MAX_CPU_ISA=AVX2, and on an Arm CPU without BF16 instructions.
+    - On x86, AVX512-BF16 or AMX does the products. Plain AVX512 converts each to float32 first.
+    With `batched`, bfloat16 must also be faster than float32 for a batch of decodes. On x86 that takes AMX.
+    With AVX512-BF16 alone, 48 requests ran slower in bfloat16 than in float32 on both CPUs measured
+    (docs/performance.md, "Which CPU")."""
     x86 = platform.machine().lower() in X86
     if not torch.backends.mkldnn.is_available():
         return "this torch is built without oneDNN"
@@ -90,8 +95,8 @@ def why_not_native_bf16(batched: bool = False) -> str | None:
 
 
 def free_memory(device: torch.device) -> tuple[int, int]:
-    """(free, total) bytes of the device's memory; on a CPU, or Apple's unified memory, the RAM
-    available to a new allocation (psutil: the same on Linux, macOS and Windows)."""
+    """(free, total) bytes of the device's memory. On a CPU, or with Apple's unified memory, it is the RAM
+    available to a new allocation. psutil reads it the same way on Linux, macOS and Windows."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)
     memory = psutil.virtual_memory()
@@ -99,10 +104,12 @@ def free_memory(device: torch.device) -> tuple[int, int]:
 
 
 def upload(arrays: dict[str, np.ndarray | list], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Host arrays by name -> tensors on `device` in `dtype`, each of its array's shape: views of one
-    buffer that goes up in one copy. On CUDA that copy is from pinned memory with non_blocking=True:
-    it queues behind the GPU's work and the host goes on at once (from pageable memory, as in
-    torch.tensor(list, device="cuda"), the host may wait for the GPU to finish). On a CPU, no copy."""
+    """Host arrays by name -> tensors on `device` in `dtype`, each of its array's shape.
+
+    The tensors are views of one buffer that goes up in one copy. On CUDA that copy is from pinned memory,
+    with non_blocking=True. It queues behind the GPU's work, and the host goes on at once. From pageable
+    memory, as in torch.tensor(list, device="cuda"), the host may wait for the GPU to finish.
+    On a CPU there is no copy."""
     flat = torch.from_numpy(np.concatenate([np.ravel(a) for a in arrays.values()])).to(dtype)
     if torch.device(device).type == "cuda":
         flat = flat.pin_memory()

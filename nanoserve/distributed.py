@@ -1,9 +1,9 @@
 """Tensor parallelism's collectives: one model split over N processes ("ranks"), Megatron-style.
 
-Each rank holds 1/N of every layer and does 1/N of its work; the ranks meet twice per layer to sum
+Each rank holds 1/N of every layer and does 1/N of its work. The ranks meet twice per layer to sum
 their partial results (all-reduce). A linear's weight is `[out_features, in_features]` (nn.Linear's
-layout); Megatron and vLLM name the two ways to split it after the math's `Y = X A`, where A is
-that weight transposed, `[in_features, out_features]`:
+layout). Megatron and vLLM name the two ways to split it after the math's `Y = X A`. There A is that
+weight transposed, `[in_features, out_features]`:
 
     qkv_proj, gate_up_proj   column-parallel, split on out_features (dim 0 of the weight): rank r
                              computes its own 1/N of the query and KV heads, and 1/N of the MLP's
@@ -16,7 +16,7 @@ that weight transposed, `[in_features, out_features]`:
                              are gathered on rank 0, which samples
 
 So each rank's KV cache holds only its KV heads, under the very same block tables. The model calls
-the functions here; with a `Shard` of size 1 (no tensor parallelism) each is a no-op. How the ranks
+the functions here. With a `Shard` of size 1 (no tensor parallelism) each is a no-op. How the ranks
 are started and driven is parallel.py.
 """
 from __future__ import annotations
@@ -98,8 +98,8 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def check_tensor_parallel(size: int, hf_config: PretrainedConfig, device: torch.device) -> None:
-    """N must split the heads, the MLP and the vocabulary evenly, and have a device per rank; this
-    process must not be in a process group already."""
+    """N must split the heads, the MLP and the vocabulary evenly, and have a device per rank.
+    This process must not be in a process group already."""
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         if (value := getattr(hf_config, name)) % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide the model's {name}={value}")

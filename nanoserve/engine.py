@@ -3,9 +3,10 @@
 `LLMEngine.step()` is one turn of continuous batching:
     schedule -> build_batch -> model forward + sample -> update (append tokens, stop, free blocks)
 Requests can be added and aborted between any two steps. Each step streams a `RequestDelta` for
-every request that sampled a token (its new text is settled: see detokenizer.py) and reports the
-requests that finished (outputs.py). Its front ends are `LLM` (entrypoints/llm.py), offline, and `AsyncLLM`
-(entrypoints/async_llm.py), for asyncio, which the HTTP server (entrypoints/openai/) is built on; as vLLM's.
+every request that sampled a token. Its new text is settled (see detokenizer.py). The step also reports
+the requests that finished (outputs.py). As in vLLM, it has two front ends:
+- `LLM` (entrypoints/llm.py), offline;
+- `AsyncLLM` (entrypoints/async_llm.py), for asyncio. The HTTP server (entrypoints/openai/) is built on it.
 
 Not thread-safe: one thread owns an engine and makes every call on it (add_request, step,
 abort_request). Two threads in `step()` corrupt the bookkeeping, and an abort that lands inside a
@@ -34,11 +35,13 @@ from nanoserve.tokenizer import load_tokenizer, tokenize
 
 
 class LLMEngine:
-    """The serving loop: requests in (`add_request`), one step of continuous batching at a time
-    (`step`), finished requests out (`StepResult.outputs`). Every request that was accepted comes
-    out exactly once in some step's outputs, an aborted one too (in the step after the abort).
-    Not thread-safe: see the module docstring. This is the core alone unless `seams` (seams.py) plug extensions
-    in: `nanoserve.LLMEngine` (composition.py) is this engine with those its config asks for."""
+    """The serving loop. Requests go in (`add_request`). It runs one step of continuous batching at a time
+    (`step`). Finished requests come out (`StepResult.outputs`).
+
+    Every request that was accepted comes out exactly once in some step's outputs. An aborted one does too,
+    in the step after the abort. It is not thread-safe (see the module docstring). This is the core alone,
+    unless `seams` (seams.py) plug extensions in. `nanoserve.LLMEngine` (composition.py) is this engine
+    with the extensions its config asks for."""
 
     def __init__(self, config: Config, seams: Seams = Seams()) -> None:
         self.config = config
@@ -76,11 +79,12 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Validate and queue one request; returns its id. Bad input raises ValueError
-        (InvalidRequest, naming the parameter) here, before anything is queued, so the other requests
-        are never disturbed. `arrival_time` (time.perf_counter()) is when the request arrived, if
-        earlier than now: TTFT and latency count from it (a server passes the time its HTTP request
-        came in, so its own queue wait counts)."""
+        """Validate and queue one request; returns its id.
+
+        Bad input raises ValueError (InvalidRequest, naming the parameter) here, before anything is queued.
+        So the other requests are never disturbed. `arrival_time` (time.perf_counter()) is when the request
+        arrived, if earlier than now. TTFT and latency count from it. A server passes the time its HTTP
+        request came in, so its own queue wait counts."""
         params = sampling_params or SamplingParams()
         require(isinstance(params, SamplingParams), "sampling_params", type(params).__name__, "a SamplingParams")
         if request_id is None:  # the next number that no caller has taken as an id
@@ -111,8 +115,8 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput:
-        """Stop a request in any state, between steps; its blocks come back at once. Returns its
-        output (finish_reason "abort"), which the next step's outputs also report."""
+        """Stop a request in any state, between steps. Its blocks come back at once. Returns its output
+        (finish_reason "abort"), which the next step's outputs also report."""
         seq = self.requests.pop(request_id, None) if isinstance(request_id, str) else None
         if seq is None:
             raise ValueError(f"no unfinished request with id {request_id!r}")
@@ -121,31 +125,33 @@ class LLMEngine:
         return self.aborted[-1]
 
     def fail_request(self, seq: Sequence, error: Exception) -> None:
-        """End a waiting request that failed alone (its grammar did not compile): finish_reason "error", and
-        `error` in its output, which this step reports (step takes `aborted` after the poll)."""
+        """End a waiting request that failed alone, because its grammar did not compile.
+        Its output has finish_reason "error" and `error`. This step reports it (step takes `aborted`
+        after the poll)."""
         seq.error = error
         del self.requests[seq.request_id]
         self.scheduler.finish(seq, "error")
         self.aborted.append(request_output(seq))
 
     def discard(self, request_ids: list[str]) -> None:
-        """Abort these requests, if unfinished, without reporting them in a later step: for a caller
-        that reports the failure itself (LLM.generate raising), so that no output is left behind."""
+        """Abort these requests, if unfinished, without reporting them in a later step.
+        It is for a caller that reports the failure itself (LLM.generate raising). No output is left behind."""
         for request_id in request_ids:
             if request_id in self.requests:
                 self.scheduler.finish(self.requests.pop(request_id), "abort")
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (see parallel.py); the engine serves no more."""
+        """Stop the tensor-parallel workers, if any (see parallel.py). The engine serves no more."""
         self.model_runner.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> dict[str, int | list[int]]:
-        """For monitoring: requests waiting and running and free KV blocks now; since start, the
-        preemptions, the prompt tokens served from the prefix cache and, with speculative decoding,
-        its counters (spec_decode.py)."""
+        """Counters for monitoring.
+        - Now: requests waiting and running, and free KV blocks.
+        - Since start: the preemptions and the prompt tokens served from the prefix cache.
+        - With speculative decoding, its counters too (spec_decode.py)."""
         scheduler = self.scheduler
         spec = scheduler.spec.stats() if scheduler.spec is not None else {}
         return dict(num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),

@@ -1,8 +1,8 @@
 """The model runner: owns the model, the KV cache and the sampler, and runs one Batch per step.
 
-Planning (scheduler, block_manager) never touches tensors; here a plan, flattened into a `Batch`
-(batch.py), meets the weights and the KV cache. With tensor parallelism every rank has a
-ModelRunner holding its shard of the model and of the KV cache (distributed.py); rank 0's is a
+Planning (scheduler, block_manager) never touches tensors. Here a plan, flattened into a `Batch`
+(batch.py), meets the weights and the KV cache. With tensor parallelism every rank has a ModelRunner.
+It holds the rank's shard of the model and of the KV cache (distributed.py). Rank 0's is a
 `TensorParallelRunner` (parallel.py), which also drives the other ranks.
 """
 from __future__ import annotations
@@ -22,11 +22,13 @@ from nanoserve.tokenizer import read_eos_token_ids
 
 
 class ModelRunner:
-    """Loads the model (`shard`'s part of it) and a KV cache on `device`, and runs one Batch per step;
-    rank 0's samples. `checkpoint`: its config.json as the engine read it (loader.py), from which the dtype,
-    head_dim and the model follow. Where the ranks of a group run, they must be in it already (parallel.py).
-    `seams`: the extensions that enter here (seams.py): the weight transform, the step executor, the logits
-    processor."""
+    """Loads the model (`shard`'s part of it) and a KV cache on `device`, and runs one Batch per step.
+    Rank 0's runner also samples.
+
+    `checkpoint` is its config.json as the engine read it (loader.py). The dtype, head_dim and the model
+    follow from it. Where the ranks of a group run, they must be in it already (parallel.py).
+    `seams` holds the extensions that enter here (seams.py): the weight transform, the step executor and
+    the logits processor."""
 
     def __init__(self, config: Config, device: torch.device, max_model_len: int, checkpoint: Checkpoint,
                  shard: Shard = Shard(), seams: Seams = Seams()) -> None:
@@ -56,9 +58,10 @@ class ModelRunner:
         self.eos_token_ids = read_eos_token_ids(config.model, checkpoint.config)  # min_tokens bans them
 
     def allocate_kv_cache(self, num_blocks: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """[2 (k and v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]: flash-attn's paged
-        layout per layer (this rank's KV heads). Zeros, not empty: padding slots are read (and masked).
-        On this runner's device unless told; on "meta", its shape and size alone (no memory)."""
+        """[2 (k and v), num_layers, num_blocks, block_size, num_kv_heads, head_dim].
+        That is flash-attn's paged layout per layer, with this rank's KV heads. It is zeros, not empty,
+        because padding slots are read (and masked). It is on this runner's device unless told. On "meta"
+        it has its shape and size alone (no memory)."""
         m = self.model
         return torch.zeros(2, m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_dim,
                            dtype=self.dtype, device=device or self.device)
@@ -69,10 +72,13 @@ class ModelRunner:
         return ranks_here * self.allocate_kv_cache(1, "meta").nbytes
 
     def size_kv_cache(self, config: Config, max_model_len: int) -> int:
-        """How many blocks fit the memory budget: `gpu_memory_utilization` of the GPU less what is in use
-        and the warm-up's peak above it (see warm_up), or CPU_KV_CACHE_FRACTION of available RAM (the
-        other 90% is far more than any step's activations); never more than every seat filled to
-        max_model_len. Too few for one request is an error the engine reports, never a cache over budget."""
+        """How many blocks fit the memory budget.
+        - On a GPU: `gpu_memory_utilization` of it, less what is in use and the warm-up's peak above it
+          (see warm_up).
+        - On a CPU: CPU_KV_CACHE_FRACTION of available RAM. The other 90% is far more than any step's
+          activations.
+        It is never more than every seat filled to max_model_len. Too few for one request is an error the
+        engine reports. The cache never goes over budget."""
         free, total = free_memory(self.device)
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
@@ -84,11 +90,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, config: Config, max_model_len: int) -> None:
-        """Run the largest step the scheduler can make, once, on a throwaway KV cache: a forward over
-        max_num_batched_tokens prompt tokens (in requests of up to max_model_len), then sampling
-        max_num_seqs rows with top-k and top-p, the sampler's costliest path. Its peak (activations,
-        logits, the sampler's [rows, vocab] copies) is what the KV cache must leave free, as vLLM and
-        nano-vllm measure it. Every rank runs it: the forward's collectives need them all."""
+        """Run the largest step the scheduler can make, once, on a throwaway KV cache.
+
+        That is a forward over max_num_batched_tokens prompt tokens, in requests of up to max_model_len.
+        Then it samples max_num_seqs rows with top-k and top-p, the sampler's costliest path. Its peak is
+        what the KV cache must leave free, as vLLM and nano-vllm measure it. The peak holds activations,
+        logits, and the sampler's [rows, vocab] copies. Every rank runs it, because the forward's
+        collectives need them all."""
         seq_len = min(config.max_num_batched_tokens, max_model_len)
         num_blocks = 1 + cdiv(seq_len, self.block_size)  # of a throwaway cache: seq's blocks and the null block 0
         seq = Sequence("warm-up", None, [0] * seq_len, SamplingParams())
@@ -103,9 +111,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch, scheduled: list[ScheduledSeq]) -> SamplerOutput:
-        """One forward pass over the flat batch, then one token for each request that samples now (and
-        one per draft it verifies: spec_decode.py), with the logprobs asked for. A worker (no `scheduled`:
-        rank 0 samples) returns nothing."""
+        """One forward pass over the flat batch, then the sampled tokens with the logprobs asked for.
+        Each request that samples now gets one token, and one per draft it verifies (spec_decode.py).
+        A worker has no `scheduled`, since rank 0 samples. It returns nothing."""
         # [S + P, vocab]: the rows that sample, then prompt-logprob rows; decode steps replay a graph where captured
         logits = (self.graphs.replay(batch) if self.graphs and batch.is_decode_only else
                   self.model(batch, self.kv_cache))

@@ -1,9 +1,12 @@
-"""What the engine hands back: a finished request's `RequestOutput`, a step's `RequestDelta`s for
-streaming, and the `StepResult` that carries both (plus the step's `Batch`, for tracing).
+"""What the engine hands back:
+- a finished request's `RequestOutput`;
+- a step's `RequestDelta`s, for streaming;
+- the `StepResult` that carries both, plus the step's `Batch`, for tracing.
 
-Invariant: a request's deltas concatenate to its RequestOutput's token_ids and text; its last
-delta carries the finish_reason (an aborted request's output has none before it; a failed one's, finish_reason
-"error", has no delta for its last, void, token).
+Invariants:
+- A request's deltas concatenate to its RequestOutput's token_ids and text.
+- Its last delta carries the finish_reason. An aborted request's output has none before it.
+  A failed one's (finish_reason "error") has no delta for its last, void, token.
 """
 from __future__ import annotations
 
@@ -93,8 +96,8 @@ def request_output(seq: Sequence) -> RequestOutput:
 
 
 def request_delta(seq: Sequence, num_tokens_before: int) -> RequestDelta:
-    """seq's tokens of this step (those after its first `num_tokens_before`: one, or more with speculative
-    decoding) and the text they settled (see detokenizer.py)."""
+    """seq's tokens of this step, and the text they settled (see detokenizer.py).
+    They are those after its first `num_tokens_before`: one, or more with speculative decoding."""
     text = None if seq.detokenizer is None else seq.detokenizer.take_delta(seq.is_finished)
     num_output_before = num_tokens_before - seq.num_prompt_tokens
     logprobs = seq.logprobs[num_output_before:] if seq.params.logprobs is not None else None

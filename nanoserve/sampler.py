@@ -1,10 +1,11 @@
 """Sampling: turn each request's last-token logits into its next token.
 
-All rows are sampled together: greedy rows by argmax, the others by temperature, top-k and
-top-p, then one draw per row. A request with a `seed` draws its noise from its own generator,
-so its tokens do not depend on which other requests share the batch.
-Every SamplingParams (sampling_params.py) that can be made can be sampled with: a bad value is
-refused when the params are made, never in the middle of a step where it would stall the whole batch.
+All rows are sampled together. Greedy rows take the argmax. The others go through temperature, top-k
+and top-p, then one draw per row. A request with a `seed` draws its noise from its own generator.
+So its tokens do not depend on which other requests share the batch.
+
+Every SamplingParams (sampling_params.py) that can be made can be sampled with. A bad value is refused
+when the params are made. It is never refused in the middle of a step, where it would stall the whole batch.
 """
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ TokenLogprobs = dict[int, Logprob]
 
 @dataclass(frozen=True)
 class SamplerOutput:
-    """One step's sampling: a token per request that sampled, in batch order, with its logprobs (None
-    where not asked for), and the prompt logprobs of the step's prompt-logprob rows, in batch order."""
+    """One step's sampling, in batch order.
+    - A token per request that sampled, with its logprobs (None where not asked for).
+    - The prompt logprobs of the step's prompt-logprob rows."""
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     prompt_logprobs: list[TokenLogprobs]
@@ -71,15 +73,17 @@ def sample(logits: Tensor, params: list[SamplingParams], num_generated: list[int
 
 
 def noise_seed(seed: int, n: int) -> int:
-    """A 64-bit generator seed for a request's n-th token. A cryptographic hash, not Python's hash():
-    that one maps -1 and -2 (and ints 2**61 - 1 apart) to the same value, so two seeds would sample
-    alike. sha256 is the same in every process and platform and takes ints of any size."""
+    """A 64-bit generator seed for a request's n-th token.
+
+    It is a cryptographic hash, not Python's hash(). Python's maps -1 and -2 to the same value, and ints
+    2**61 - 1 apart too. So two seeds would sample alike. sha256 is the same in every process and
+    platform, and takes ints of any size."""
     return int.from_bytes(hashlib.sha256(f"{seed},{n}".encode()).digest()[:8], "little")
 
 
 def apply_min_p(probs: Tensor, params: list[SamplingParams]) -> Tensor:
-    """Zero the probabilities below min_p x their row's largest, and renormalize (vLLM applies min_p before
-    top-k and top-p); probs [S, vocab]."""
+    """Zero the probabilities below min_p x their row's largest, and renormalize. probs is [S, vocab].
+    vLLM applies min_p before top-k and top-p, and so do we."""
     if not any(p.min_p for p in params):
         return probs
     min_p = torch.tensor([p.min_p for p in params], device=probs.device)[:, None]      # [S, 1]
@@ -110,8 +114,9 @@ def apply_top_k_top_p(probs: Tensor, params: list[SamplingParams]) -> Tensor:
 
 
 def top_logprobs(logits: Tensor, token_ids: Tensor, num_top: list[int]) -> list[TokenLogprobs]:
-    """Each row's token and its row's `num_top` most likely tokens, {token id: Logprob}: the row's
-    token first, then the others by rank. logits [R, vocab] float32 as the model gave them, token_ids [R]."""
+    """Each row's token and its row's `num_top` most likely tokens, as {token id: Logprob}.
+    The row's token comes first, then the others by rank. logits is [R, vocab] float32, as the model
+    gave them. token_ids is [R]."""
     logprobs = torch.log_softmax(logits, dim=-1)                                  # [R, vocab]
     chosen = logprobs.gather(1, token_ids[:, None])[:, 0]                         # [R]
     ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1                          # [R]

@@ -1,8 +1,9 @@
 """What a request asks of sampling and when it stops: SamplingParams, checked when made.
 
-Every SamplingParams that can be made can be sampled with: a bad value is refused when the params are
-made (an InvalidRequest naming the field), never in the middle of a step where it would stall the whole
-batch. sampler.py samples with them; logits_processors.py applies the fields that change the logits.
+Every SamplingParams that can be made can be sampled with. A bad value is refused when the params are
+made, with an InvalidRequest naming the field. It is never refused in the middle of a step, where it would
+stall the whole batch. sampler.py samples with them. logits_processors.py applies the fields that change
+the logits.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 class GrammarSpec:
     """A grammar that a request's output follows. structured_outputs.py's StructuredOutputsParams is the one
-    kind; it lives there, with the library that parses it, and SamplingParams only checks its type."""
+    kind. It lives there, with the library that parses it. SamplingParams only checks its type."""
 
 
 # Top logprobs per token, at most: OpenAI's limit, and vLLM's default max_logprobs.
@@ -82,14 +83,14 @@ class SamplingParams:
             object.__setattr__(self, name, value)
 
     def for_sample(self, index: int) -> SamplingParams:
-        """The params of sample `index` of n: one sample, seeded seed + index as in vLLM (each its own
-        noise; unseeded ones draw from the shared generator anyway)."""
+        """The params of sample `index` of n: one sample, seeded seed + index as in vLLM.
+        So each has its own noise. Unseeded ones draw from the shared generator anyway."""
         return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
 
 class InvalidRequest(ValueError):
-    """Bad input to one request, naming the parameter at fault (`param`: "temperature", "prompt", ...),
-    so that a server can say which field of its body was wrong without parsing the message."""
+    """Bad input to one request, naming the parameter at fault (`param`: "temperature", "prompt", ...).
+    So a server can say which field of its body was wrong without parsing the message."""
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)

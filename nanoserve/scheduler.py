@@ -2,39 +2,41 @@
 
 Continuous batching works token by token, not request by request. Each step has one token budget
 (`max_num_batched_tokens`) that all requests share:
-1. Running requests go first, oldest first: one decode token each (with speculative decoding, plus
-   its draft tokens: spec_decode.py), or the next chunk of a prompt that did not fit in earlier steps
-   (chunked prefill). Prefill chunks and decodes mix freely:
+1. Running requests go first, oldest first. Each gets one decode token, or the next chunk of a prompt
+   that did not fit in earlier steps (chunked prefill). With speculative decoding, a decode also carries
+   its draft tokens (spec_decode.py). Prefill chunks and decodes mix freely:
    "all requests' current tokens flattened into one batch".
-2. Then waiting requests are admitted first come, first served, while budget, blocks and
-   `max_num_seqs` allow, and while the free blocks still cover the running requests' next
-   2 * block_size tokens (`blocks_to_keep_free`: admitting into those would only preempt someone a
-   few steps later). A prefix-cache hit counts as already computed, even for blocks that a request admitted
-   earlier in this step fills (block_manager.py says why that is safe).
-When blocks run out, a prefill chunk first shrinks to what the free blocks hold; if not even one
-token fits, the newest running request is preempted by recompute: its blocks are freed and it goes
-back to the front of the queue, ahead of requests that never ran. Its tokens are kept, so nothing
-is lost. A step that preempted admits no one.
+2. Then waiting requests are admitted, first come, first served. They are admitted while budget, blocks
+   and `max_num_seqs` allow. The free blocks must also still cover the running requests' next
+   2 * block_size tokens (`blocks_to_keep_free`). Admitting into those would only preempt someone a few
+   steps later. A prefix-cache hit counts as already computed. That holds even for blocks that a request
+   admitted earlier in this step fills (block_manager.py says why that is safe).
 
-After the model ran, `update` appends each sampled token (with drafts: the accepted ones and the
-sample after them) and `stop_reason` applies every stop rule (EOS, stop tokens, stop strings,
-max_tokens, max_model_len) in one place, after each token.
+When blocks run out, a prefill chunk first shrinks to what the free blocks hold. If not even one token
+fits, the newest running request is preempted by recompute. Its blocks are freed, and it goes back to
+the front of the queue, ahead of requests that never ran. Its tokens are kept, so nothing is lost.
+A step that preempted admits no one.
+
+After the model ran, `update` appends each sampled token. With drafts, it appends the accepted ones and
+the sample after them. `stop_reason` applies every stop rule in one place, after each token: EOS, stop
+tokens, stop strings, max_tokens and max_model_len.
 
 Prompt logprobs need the logits of every prompt position, and a prefix-cache hit skips the positions
-it covers. So the requests that ask for the same prompt's logprobs (the n samples of an echoed prompt)
-share one list of them (`add`): whichever runs a position first computes its row
-(`batch.prompt_logprob_positions`), and a hit may skip only the positions whose rows are known, or
-computed in this step by a request ahead of it in the batch (`update` fills the list in batch order).
-The prompt is computed once, not n times.
+it covers. So requests that ask for the same prompt's logprobs share one list of them (`add`).
+An example is the n samples of an echoed prompt. Whichever runs a position first computes its row
+(`batch.prompt_logprob_positions`). A hit may skip only the positions whose rows are known.
+A row is known if an earlier step computed it, or a request ahead in this step's batch computes it.
+(`update` fills the list in batch order.) The prompt is computed once, not n times.
 
-`scheduling="static"` is the baseline (static batching, docs/batching.md): a batch is admitted only
-when the previous one has completely finished, and KV space for prompt + max_tokens - 1 tokens is
-reserved up front (the last sampled token's KV is never needed): the four places where the code
-differs are marked "Static batching, difference N of 4".
+`scheduling="static"` is the baseline (static batching, docs/batching.md). A batch is admitted only
+when the previous one has completely finished. KV space for prompt + max_tokens - 1 tokens is reserved
+up front (the last sampled token's KV is never needed). The four places where the code differs are
+marked "Static batching, difference N of 4".
 
-Invariants (`assert_invariants` checks them): every accepted request is in exactly one of
-`waiting`, `running`, or finished; waiting requests hold no blocks; a step writes each block for
-one request only, and others read it only once it is full (block_manager.py).
+Invariants (`assert_invariants` checks them):
+- Every accepted request is in exactly one of `waiting`, `running`, or finished.
+- Waiting requests hold no blocks.
+- A step writes each block for one request only. Others read it only once it is full (block_manager.py).
 """
 from __future__ import annotations
 
@@ -55,10 +57,11 @@ Row = tuple[int, TokenLogprobs | None]  # a sampled token and its logprobs
 
 class Drafter(Protocol):
     """Speculative decoding's seam (extensions/spec_decode.py's Speculator, over any of its Proposers).
-    `schedule_drafts` is called after the running requests are planned, in a step that preempted none: it may
-    set a decode's `spec_token_ids` and add them to its tokens this step. `accept` is called in `update` for a
-    request that had drafts, with its 1 + k sampled rows: it returns the rows to append and may roll
-    `num_computed_tokens` back over the rejected drafts. `stats` reports its counters."""
+    - `schedule_drafts` runs after the running requests are planned, in a step that preempted none.
+      It may set a decode's `spec_token_ids` and add them to its tokens this step.
+    - `accept` runs in `update` for a request that had drafts, with its 1 + k sampled rows. It returns
+      the rows to append, and may roll `num_computed_tokens` back over the rejected drafts.
+    - `stats` reports its counters."""
 
     def schedule_drafts(self, scheduler: Scheduler, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]: ...
 
@@ -139,8 +142,8 @@ class Scheduler:
         return scheduled, preempted
 
     def admit_waiting(self, budget: int, planned: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """Move waiting requests to running, first come first served, while they fit. The first that
-        does not fit stops admission: no one behind it jumps the queue. `planned`: the step's plan so far."""
+        """Move waiting requests to running, first come, first served, while they fit. `planned` is the
+        step's plan so far. The first that does not fit stops admission, so no one behind it jumps the queue."""
         scheduled: list[ScheduledSeq] = []
         # Static batching, difference 2 of 4: the whole batch is admitted at once, even past the token
         # budget (their prompts then run in chunks over the next steps).
@@ -172,30 +175,34 @@ class Scheduler:
         return scheduled
 
     def next_ready(self) -> Sequence | None:
-        """The first waiting request that can run. One WAITING_FOR_GRAMMAR is passed over until its grammar is
-        ready (compiled: structured_outputs.py), without holding up those behind it."""
+        """The first waiting request that can run. A request WAITING_FOR_GRAMMAR is passed over until its
+        grammar is compiled (structured_outputs.py). It does not hold up those behind it."""
         return next((seq for seq in self.waiting if seq.status is SequenceStatus.WAITING or seq.grammar.ready), None)
 
     def max_cache_hit(self, seq: Sequence, planned: Iterable[ScheduledSeq]) -> int | None:
-        """How many of seq's tokens a prefix-cache hit may cover (None: any). With prompt logprobs, only
-        the positions whose rows are known: computed in an earlier step, or in this one by a request
-        planned before seq that shares seq's list (`update` adds its rows before seq's)."""
+        """How many of seq's tokens a prefix-cache hit may cover, or None for any.
+
+        With prompt logprobs, a hit covers only the positions whose rows are known. A row is known if an
+        earlier step computed it. It is also known if a request planned before seq in this step shares
+        seq's list and computes it (`update` adds its rows before seq's)."""
         if seq.params.prompt_logprobs is None:
             return None
         this_step = [s.num_computed_tokens + n for s, n in planned if s.prompt_logprobs is seq.prompt_logprobs]
         return max([len(seq.prompt_logprobs) - 1, *this_step])
 
     def max_kv_len(self, seq: Sequence) -> int:
-        """The most KV seq can ever hold: prompt + max_tokens - 1 (the last sampled token is never
-        fed back, so its KV is never stored), or max_model_len."""
+        """The most KV seq can ever hold: prompt + max_tokens - 1, or max_model_len if less.
+        The last sampled token is never fed back, so its KV is never stored."""
         return min(seq.num_prompt_tokens + seq.params.max_tokens - 1, self.max_model_len)
 
     def blocks_to_keep_free(self) -> int:
         """What an admission must leave free: the blocks the running requests need for their next
-        2 * block_size tokens (fewer for one that stops sooner). Without it, requests are admitted
-        while blocks last and the newest are preempted and recomputed a few steps later, as the
-        running ones grow (docs/batching.md measures it). With nothing running it is 0: a request the
-        cache can hold is always admitted. Static batching, difference 4 of 4: 0 (admission reserved it all)."""
+        2 * block_size tokens (fewer for one that stops sooner).
+
+        Without it, requests are admitted while blocks last. Then, as the running ones grow, the newest
+        are preempted and recomputed a few steps later (docs/batching.md measures it). With nothing
+        running it is 0, so a request the cache can hold is always admitted.
+        Static batching, difference 4 of 4: it is 0, because admission reserved it all."""
         if self.static:
             return 0
         block_size = self.block_manager.block_size
@@ -213,9 +220,10 @@ class Scheduler:
         self.num_preemptions += 1
 
     def update(self, scheduled: list[ScheduledSeq], output: SamplerOutput) -> list[Sequence]:
-        """After the model ran: advance each request, append the sampled tokens (one for every
-        request whose last token ran, in batch order; more where drafts were accepted) and the
-        logprobs, and finish those that stop. Returns those."""
+        """After the model ran, advance each request, append its sampled tokens and logprobs, and finish
+        those that stop. Returns the finished ones.
+
+        Every request whose last token ran gets one token, in batch order. Accepted drafts add more."""
         sampled = zip(output.token_ids, output.logprobs)
         prompt_logprobs = iter(output.prompt_logprobs)
         finished = []
@@ -239,9 +247,12 @@ class Scheduler:
         return finished
 
     def stop_reason(self, seq: Sequence) -> str | None:
-        """Every stop rule, here alone, for the token just appended: "error" if the request failed (seq.error);
-        "stop" at EOS (unless ignore_eos), a stop token or a stop string in the text (the detokenizer cut the
-        text before it); else "length" at max_tokens or max_model_len; else None: keep going."""
+        """Every stop rule, here alone, for the token just appended. Returns, in this order:
+        - "error" if the request failed (seq.error).
+        - "stop" at EOS (unless ignore_eos), a stop token, or a stop string in the text. The detokenizer
+          cut the text before the stop string.
+        - "length" at max_tokens or max_model_len.
+        - None otherwise: keep going."""
         params, token = seq.params, seq.token_ids[-1]
         if seq.error is not None:  # its grammar or a logits processor failed: it ends alone (its token is void)
             return "error"
@@ -264,8 +275,8 @@ class Scheduler:
         seq.finish(reason)
 
     def assert_invariants(self, scheduled: list[ScheduledSeq] | None = None) -> None:
-        """Check the invariants above and the block manager's; given this step's plan (before
-        `update`), also check that it fits the limits and that no block is written by two requests."""
+        """Check the invariants above and the block manager's. Given this step's plan (before `update`),
+        also check that it fits the limits, and that no block is written by two requests."""
         live = [*self.waiting, *self.running]
         assert len(set(live)) == len(live), f"a request is queued twice: {live}"
         waiting_states = (SequenceStatus.WAITING, SequenceStatus.WAITING_FOR_GRAMMAR)

@@ -1,9 +1,10 @@
 """The seams: where extensions plug into the core, one small interface each (docs/architecture.md draws them).
 
-The core (the walkthrough: engine, scheduler, batch, model_runner, models, ...) runs with every seam at its
-default (`Seams()`): eager steps, no logits processing, no drafts, no grammars, one process, float weights.
-The composition root (composition.py) fills them with the extensions a config asks for; nothing else names an
-extension. Each seam says when the core calls it and what it may change:
+The core is the walkthrough's code: engine, scheduler, batch, model_runner, models, ...
+It runs with every seam at its default (`Seams()`). That means eager steps, no logits processing, no drafts,
+no grammars, one process, and float weights. The composition root (composition.py) fills the seams with the
+extensions a config asks for. Nothing else names an extension. Each seam says when the core calls it and
+what it may change:
 - `StepExecutor`: how steps run the model (extensions/compilation.py, extensions/cuda_graphs.py);
 - `LogitsProcessor`: the sampling rows' logits, before the sampler (extensions/logits_processors.py);
 - `WeightTransform`: the model's linears, once loaded (extensions/quantization.py);
@@ -41,11 +42,13 @@ class Runner(Protocol):
 
 
 class StepExecutor(Protocol):
-    """How steps run the model, other than eager (enforce_eager=False). `ModelRunner.__init__` calls `compile`
-    once the model is loaded, before the KV cache is sized: it may compile the model's layers in place, and
-    returns whether the model now runs compiled. It calls `capture` once the KV cache is allocated: it returns
-    what runs the decode-only steps in the model's place, `(batch) -> logits` as `model(batch, kv_cache)` returns
-    them (CUDA graphs over the model), or None. Neither changes anything but the model it is given."""
+    """How steps run the model, other than eager (enforce_eager=False).
+    - `ModelRunner.__init__` calls `compile` once the model is loaded, before the KV cache is sized.
+      It may compile the model's layers in place. It returns whether the model now runs compiled.
+    - It calls `capture` once the KV cache is allocated. That returns what runs the decode-only steps in
+      the model's place (CUDA graphs over the model), or None. It is `(batch) -> logits`, the logits as
+      `model(batch, kv_cache)` returns them.
+    Neither changes anything but the model it is given."""
 
     def compile(self, runner: Runner) -> bool: ...
 
@@ -60,27 +63,32 @@ class DecodeRunner(Protocol):
 
 class LogitsProcessor(Protocol):
     """Penalties, min_p, logit_bias, min_tokens and grammar masks (logits_processors.py's `process_logits`).
-    `ModelRunner.run` calls it once per step, in one place, on the rows that sample (`[S, vocab]`, row i for
-    `seqs[i]`), before the sampler, with the EOS ids (min_tokens bans them). It returns the logits to sample from
-    and may set `seq.error` to fail one request alone; it changes nothing else."""
+
+    `ModelRunner.run` calls it once per step, in one place, before the sampler. It gets the rows that sample
+    (`[S, vocab]`, row i for `seqs[i]`) and the EOS ids (min_tokens bans them). It returns the logits to
+    sample from. It may set `seq.error` to fail one request alone. It changes nothing else."""
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> torch.Tensor: ...
 
 
 class WeightTransform(Protocol):
-    """Int8 quantization (quantization.py). `models.loader.load_model` calls it once, with the loaded model (this
-    rank's shard): it returns the model to serve, its linears replaced; it changes nothing else. Without one the
-    loader lays the linears out for this device (layers/linear.py)."""
+    """Int8 quantization (quantization.py).
+
+    `models.loader.load_model` calls it once, with the loaded model (this rank's shard). It returns the model
+    to serve, with its linears replaced. It changes nothing else. Without one, the loader lays the linears out
+    for this device (layers/linear.py)."""
 
     def __call__(self, model: nn.Module) -> nn.Module: ...
 
 
 class GrammarCompiler(Protocol):
-    """Structured outputs (structured_outputs.py's GrammarCompiler). `LLMEngine.add_request` calls `compile` for
-    a request with `structured_outputs`; it returns the request's Grammar (sequence.py), compiling in the
-    background. The request waits as WAITING_FOR_GRAMMAR, which the scheduler passes over until `Grammar.ready`.
-    `LLMEngine.step` calls `poll` after the scheduler planned, with the waiting requests: it ends by `fail` each
-    whose grammar failed to compile, and when `idle` (nothing was scheduled) it may wait a moment for a compile.
+    """Structured outputs (structured_outputs.py's GrammarCompiler).
+    - `LLMEngine.add_request` calls `compile` for a request with `structured_outputs`. It returns the
+      request's Grammar (sequence.py), compiling in the background. The request waits as
+      WAITING_FOR_GRAMMAR. The scheduler passes over it until `Grammar.ready`.
+    - `LLMEngine.step` calls `poll` with the waiting requests, after the scheduler planned. It ends each whose
+      grammar failed to compile, by `fail`. When `idle` (nothing was scheduled), it may wait a moment for a
+      compile.
     It changes nothing else."""
 
     def compile(self, spec: GrammarSpec) -> Grammar: ...
@@ -106,9 +114,9 @@ def no_logits_processing(logits: torch.Tensor, seqs: list[Sequence], eos_token_i
 
 @dataclass(frozen=True)
 class Seams:
-    """What plugs into the core: the composition root (composition.py) builds it from a config. The defaults are
-    the core's own way; without grammars (and the logits processors that come with them) the requests that would
-    need them are refused."""
+    """What plugs into the core. The composition root (composition.py) builds it from a config.
+    The defaults are the core's own way. Without grammars (and the logits processors that come with them),
+    the requests that would need them are refused."""
     executor: StepExecutor = EagerSteps()
     logits_processor: LogitsProcessor = no_logits_processing
     weight_transform: WeightTransform | None = None

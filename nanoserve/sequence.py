@@ -1,9 +1,12 @@
 """A request's state as it moves through the engine.
 
-A `Sequence` is one request: its prompt and output token ids, how many of them already have their
-KV in the cache (`num_computed_tokens`), its block table (which KV blocks hold them, in order) and
-its status. The invariant the scheduler keeps: the block table covers at least
-`num_computed_tokens` slots, and every token after them still has to be run through the model.
+A `Sequence` is one request. It holds:
+- its prompt and output token ids;
+- how many of them already have their KV in the cache (`num_computed_tokens`);
+- its block table: which KV blocks hold them, in order;
+- its status.
+The scheduler keeps an invariant. The block table covers at least `num_computed_tokens` slots.
+Every token after them still has to be run through the model.
 """
 from __future__ import annotations
 
@@ -16,10 +19,11 @@ from nanoserve.sampler import SamplingParams, TokenLogprobs
 
 
 class Grammar(Protocol):
-    """A request's grammar (structured_outputs.py's RequestGrammar). The request waits as WAITING_FOR_GRAMMAR
-    until `ready` (compiled; a failed compile is never ready, and the engine ends its request); the scheduler checks.
-    `append_token` calls `accept` with each sampled token; what it returns, an error or None, becomes the
-    request's `error`."""
+    """A request's grammar (structured_outputs.py's RequestGrammar).
+
+    The request waits as WAITING_FOR_GRAMMAR until `ready`, that is, compiled. The scheduler checks.
+    A failed compile is never ready, and the engine ends its request. `append_token` calls `accept` with
+    each sampled token. What it returns, an error or None, becomes the request's `error`."""
     ready: bool
 
     def accept(self, token: int) -> Exception | None: ...

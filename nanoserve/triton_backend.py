@@ -1,14 +1,17 @@
-"""The "triton" attention backend: nanoserve's own paged-attention kernel (kernels/triton_attention.py),
-one launch per layer for the whole flat batch, reading the cache through `block_tables`.
+"""The "triton" attention backend: nanoserve's own paged-attention kernel (kernels/triton_attention.py).
+It is one launch per layer for the whole flat batch, reading the cache through `block_tables`.
 
-It has the shape of attention.py's backends: `prepare(batch, block_size, dtype)` once per step returns
-the Batch's four arrays the kernels read (`TritonMetadata`: tensors only), `forward(q, k, v, kv_cache,
-layer, metadata)` per layer calls one custom op, `nanoserve::triton_attention`, whose inputs are tensors
-only. So the compiled step (compilation.py), one graph for the whole step, holds it as it is and guards
-on tensors, never on Python lists or host copies of lengths. It is what "auto" picks on CUDA where
-flash-attn 2 cannot serve (attention.select_attention). On a CPU it runs only when asked for and
-TRITON_INTERPRET=1 is set: Triton's interpreter then runs the kernels in numpy, slowly, to debug the GPU
-path on a laptop.
+It has the shape of attention.py's backends:
+- `prepare(batch, block_size, dtype)` runs once per step. It returns the Batch's four arrays the kernels
+  read (`TritonMetadata`: tensors only).
+- `forward(q, k, v, kv_cache, layer, metadata)` runs per layer. It calls one custom op,
+  `nanoserve::triton_attention`, whose inputs are tensors only.
+So the compiled step (compilation.py), one graph for the whole step, holds the op as it is. It guards on
+tensors, never on Python lists or host copies of lengths.
+
+"auto" picks it on CUDA where flash-attn 2 cannot serve (attention.select_attention). On a CPU it runs
+only when asked for and TRITON_INTERPRET=1 is set. Triton's interpreter then runs the kernels in numpy,
+slowly, to debug the GPU path on a laptop.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from nanoserve.batch import Batch
 
 @dataclass(frozen=True)
 class TritonMetadata:
-    """What every layer's attention shares in a step: the Batch's arrays the store and the kernel read, nothing else."""
+    """What every layer's attention shares in a step. It is the Batch's arrays the store and the kernel read."""
     slot_mapping: Tensor     # [N] int64
     query_start_loc: Tensor  # [B+1] int32
     seq_lens: Tensor         # [B] int32
@@ -33,8 +36,9 @@ class TritonMetadata:
 @torch.library.custom_op("nanoserve::triton_attention", mutates_args=("kv_cache",))
 def triton_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, slot_mapping: Tensor,
                      query_start_loc: Tensor, seq_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
-    """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`: the step's k, v written into their slots of layer
-    `layer` first, so that each query finds its own token's key through the block table like any other."""
+    """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`.
+    The step's k, v are written into their slots of layer `layer` first. So each query finds its own
+    token's key through the block table, like any other."""
     k_cache, v_cache = kv_cache[:, layer]  # views taken inside the op: it declares the whole cache mutated
     # imported only when run: triton reads TRITON_INTERPRET as the kernel is defined
     from nanoserve.kernels.triton_attention import paged_attention
@@ -47,14 +51,14 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: i
 
 @triton_attention.register_fake
 def _(q: Tensor, *rest: Tensor | float) -> Tensor:
-    """The output's shape for torch.compile's tracing: q's, laid out contiguously (the other inputs, passed
-    as the op's, do not change it)."""
+    """The output's shape for torch.compile's tracing: q's, laid out contiguously.
+    The other inputs, passed as the op's, do not change it."""
     return q.new_empty(q.shape)
 
 
 class TritonBackend:
-    """The Triton kernel on CUDA (or under TRITON_INTERPRET=1): the store of attention.store_kvcache, then one
-    attention launch per layer."""
+    """The Triton kernel on CUDA (or under TRITON_INTERPRET=1). Each layer runs the store of
+    attention.store_kvcache, then one attention launch."""
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
@@ -76,8 +80,9 @@ def interpreting() -> bool:
 
 
 def why_not_triton(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the triton backend cannot serve here, or None where it can: CUDA (or the CPU under the
-    interpreter, where a bfloat16 tl.dot returns garbage) and triton importable."""
+    """Why the triton backend cannot serve here, or None where it can.
+    It needs CUDA, or the CPU under the interpreter, and triton importable. On the interpreter a bfloat16
+    tl.dot returns garbage."""
     device = torch.device(device)
     if device.type == "cpu" and not interpreting():
         return "on a CPU its kernels run only in Triton's interpreter: set TRITON_INTERPRET=1 (slow; for debugging)"
@@ -93,10 +98,12 @@ def why_not_triton(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def choose_backend(name: str, device: torch.device, dtype: torch.dtype, flash_runs: bool) -> str:
-    """The last word of attention.select_attention, once flash-attn's case is known: "triton" when asked for
-    (a ValueError naming why where it cannot run); else "flash" where it runs; else "triton" under "auto"
-    on CUDA where triton is importable; else "torch". Any block_size serves triton: each key finds its
-    own block."""
+    """The last word of attention.select_attention, once flash-attn's case is known. In this order:
+    - "triton" when asked for, or a ValueError naming why where it cannot run;
+    - "flash" where it runs;
+    - "triton" under "auto", on CUDA where triton is importable;
+    - "torch".
+    Any block_size serves triton, because each key finds its own block."""
     if name == "triton":
         why_not = why_not_triton(device, dtype)
         if why_not:

@@ -1,10 +1,14 @@
-"""The cheap bounds on a grammar spec, checked before xgrammar sees it (docs/serving.md, "Limits"), wherever a
-spec enters: `GrammarCompiler.submit` (so LLM, AsyncLLM and the server all have them) and, with the server's
-own limits, its handlers. xgrammar's converters recurse without bound: 30,000 nested parentheses in a schema's
-pattern, or 13,000 quantifiers stacked on one character (`a{1}{1}{1}...`, depth 1 to a bracket count), crashed
-the process; and a deep schema parses in time cubic in its depth. The bounds make the common hostile shapes a
-quick refusal; the child process that parses and compiles (grammar_workers.py) is what keeps the shapes they
-miss from taking anything down. Past a bound, an InvalidRequest naming structured_outputs.
+"""The cheap bounds on a grammar spec, checked before xgrammar sees it (docs/serving.md, "Limits").
+
+They are checked wherever a spec enters:
+- `GrammarCompiler.submit`, so LLM, AsyncLLM and the server all have them;
+- the server's handlers, with the server's own limits.
+
+Why: xgrammar's converters recurse without bound. 30,000 nested parentheses in a schema's pattern crashed
+the process. So did 13,000 quantifiers stacked on one character (`a{1}{1}{1}...`, depth 1 to a bracket
+count). And a deep schema parses in time cubic in its depth. The bounds make the common hostile shapes a
+quick refusal. The child process that parses and compiles (grammar_workers.py) keeps the shapes they miss
+from taking anything down. Past a bound, the spec is refused with an InvalidRequest naming structured_outputs.
 """
 from __future__ import annotations
 
@@ -27,11 +31,13 @@ def refuse(what: str) -> None:
 
 
 def check_bounds(spec: dict[str, Any], max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH) -> None:
-    """Before xgrammar sees a spec (StructuredOutputsParams' fields as given): at most `max_bytes` of text
-    (the schema as JSON, the regex, the grammar, the choices together), `max_depth` levels of nesting (of
-    the schema's objects and arrays, and of brackets in the regex, the grammar and every string of the schema),
-    at most `max_depth` quantifiers stacked on one atom and MAX_QUANTIFIERS in all (in the regex, the grammar
-    and the schema's patterns). Past any, an InvalidRequest."""
+    """Check a spec before xgrammar sees it (StructuredOutputsParams' fields as given). Past any bound,
+    raise an InvalidRequest. The bounds:
+    - At most `max_bytes` of text: the schema as JSON, the regex, the grammar, the choices together.
+    - At most `max_depth` levels of nesting. That counts the schema's objects and arrays, and brackets in
+      the regex, the grammar and every string of the schema.
+    - At most `max_depth` quantifiers stacked on one atom, and MAX_QUANTIFIERS in all. That counts the regex,
+      the grammar and the schema's patterns."""
     patterns = [spec[name] for name in ("regex", "grammar") if isinstance(spec.get(name), str)]
     schema = spec.get("json")
     texts = patterns + [text for text in (schema, *(spec.get("choice") or ())) if isinstance(text, str)]
@@ -70,9 +76,11 @@ SCHEMA_LISTS = {"allOf", "anyOf", "oneOf", "prefixItems", "items"}
 
 
 def walk_schema(schema: dict | list, max_depth: int) -> tuple[list[str], list[str]]:
-    """Walk a JSON schema without recursion (it may be nested a thousand deep); refuse past max_depth levels, and
-    each schema in it that no output can satisfy (`check_keywords`). Returns its strings, keys included, and its
-    patterns (a `pattern`'s value, `patternProperties`' keys)."""
+    """Walk a JSON schema without recursion, since it may be nested a thousand deep.
+
+    It refuses past max_depth levels. It also refuses each schema in it that no output can satisfy
+    (`check_keywords`). Returns its strings, keys included, and its patterns (a `pattern`'s value,
+    `patternProperties`' keys)."""
     strings: list[str] = []
     patterns: list[str] = []
     stack = [(schema, 1, "schema")]  # (value, depth, what it is: a schema, a map or list of schemas, or data)
@@ -105,8 +113,9 @@ def child_role(role: str, key: Any, item: dict | list) -> str:
 
 
 def check_keywords(schema: dict) -> None:
-    """Refuse the keywords xgrammar ignores where ignoring them lets an output break the schema: `not`, an
-    `allOf` of types that exclude one another, an empty `type`, a `$ref` outside the schema (InvalidRequest)."""
+    """Refuse (InvalidRequest) the keywords xgrammar ignores where ignoring them lets an output break the
+    schema. They are `not`, an `allOf` of types that exclude one another, an empty `type`, and a `$ref`
+    outside the schema."""
     if "not" in schema:
         refuse("uses the keyword not, which this server cannot enforce")
     if schema.get("type") == []:
@@ -126,8 +135,8 @@ def type_set(types: str | list) -> set[str]:
 
 
 def bracket_depth(text: str) -> int:
-    """The deepest nesting of (, [ and { in text, an escaped one (after a backslash) not counted. An unmatched
-    closing bracket never lowers it below 0: `)))(((` is 3 deep."""
+    """The deepest nesting of (, [ and { in text. An escaped one (after a backslash) is not counted.
+    An unmatched closing bracket never lowers it below 0, so `)))(((` is 3 deep."""
     depth = deepest = 0
     for char in re.sub(r"\\.", "", text, flags=re.DOTALL):  # escaped characters dropped
         if char in "([{":

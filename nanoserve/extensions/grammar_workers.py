@@ -1,16 +1,19 @@
-"""Grammars parsed and compiled in child processes: a spec that crashes xgrammar (its converters recurse without
-bound: SIGSEGV), runs past its time limit or its memory limit fails its own request, never the process that
-serves everyone (structured_outputs.py's GrammarCompiler sends every parse and compile here).
+"""Grammars parsed and compiled in child processes. structured_outputs.py's GrammarCompiler sends every parse
+and compile here. A spec may crash xgrammar (its converters recurse without bound: SIGSEGV), or run past its
+time limit or its memory limit. Then it fails its own request, never the process that serves everyone.
 
-One `GrammarWorker` is one child process, a new Python interpreter (never a fork of a process that holds torch's
-threads; and unlike multiprocessing's spawn, it never re-runs the caller's script, which a script without
-`if __name__ == "__main__"` would not survive), started at its owner's first grammar, so a process that serves
-no grammar never starts one. Parent and child talk over a socket pair, one message at a time, each a class:
+One `GrammarWorker` is one child process, a new Python interpreter. It is started at its owner's first
+grammar, so a process that serves no grammar never starts one. Why a new interpreter:
+- It is never a fork of a process that holds torch's threads.
+- Unlike multiprocessing's spawn, it never re-runs the caller's script. A script without
+  `if __name__ == "__main__"` would not survive that.
+
+Parent and child talk over a socket pair, one message at a time, each a class:
     parent: Start(tokenizer_info_json, memory_bytes)  ->  child: Ready
     parent: Job(spec)  ->  child: Compiled(grammar_json) | Refused(message)
-the compiled grammar as xgrammar's own JSON (`CompiledGrammar.serialize_json`), read back against the parent's
-TokenizerInfo. A child that dies (its pipe ends) or answers past `seconds` is killed and replaced at the next job;
-the job's request gets an InvalidRequest naming structured_outputs.
+The compiled grammar comes as xgrammar's own JSON (`CompiledGrammar.serialize_json`). It is read back
+against the parent's TokenizerInfo. A child may die (its pipe ends) or answer past `seconds`. Then it is
+killed, and replaced at the next job. The job's request gets an InvalidRequest naming structured_outputs.
 """
 from __future__ import annotations
 
@@ -64,8 +67,8 @@ class Refused:
 
 
 def serve(fd: int) -> None:
-    """The child's loop (`python -c`, the socket's fd given): a Start, then one Job in, one Compiled or Refused out,
-    until the parent closes the socket."""
+    """The child's loop (`python -c`, the socket's fd given). It reads a Start. Then, until the parent closes
+    the socket, it takes one Job in and sends one Compiled or Refused out."""
     import xgrammar as xgr
 
     conn = Connection(fd)
@@ -90,9 +93,9 @@ def serve(fd: int) -> None:
 
 
 def parse_grammar(spec: Any) -> Any:
-    """In a grammar worker's process, never the server's: the spec (a StructuredOutputsParams) as an xgrammar Grammar;
-    a spec xgrammar rejects is an InvalidRequest naming structured_outputs.
-    JSON has no free whitespace: a model that never saw JSON would pad it with spaces forever."""
+    """The spec (a StructuredOutputsParams) as an xgrammar Grammar. It runs in a grammar worker's process,
+    never the server's. A spec xgrammar rejects is an InvalidRequest naming structured_outputs.
+    JSON has no free whitespace. A model that never saw JSON would pad it with spaces forever."""
     import xgrammar as xgr  # here: it takes seconds, and only structured outputs need it (`serve` imported it)
 
     try:
@@ -112,8 +115,8 @@ def parse_grammar(spec: Any) -> Any:
 
 
 def compile_checked(compiler: Any, grammar: Any) -> str:
-    """The grammar's token masks over the vocabulary, as JSON. A grammar that allows no output at all
-    (`root ::= root`: its language is empty) is an InvalidRequest, before any request runs."""
+    """The grammar's token masks over the vocabulary, as JSON. A grammar that allows no output at all is an
+    InvalidRequest, before any request runs. (`root ::= root` is one: its language is empty.)"""
     import xgrammar as xgr
     compiled = compiler.compile_grammar(grammar)
     bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
@@ -124,8 +127,9 @@ def compile_checked(compiler: Any, grammar: Any) -> str:
 
 
 def limit_memory(num_bytes: int) -> None:
-    """Bound the child's address space to what it has now plus num_bytes, where the OS can (Linux; macOS
-    ignores RLIMIT_AS): past it, xgrammar's allocation fails (MemoryError) or the child dies, alone."""
+    """Bound the child's address space to what it has now plus num_bytes, where the OS can.
+    Linux can; macOS ignores RLIMIT_AS. Past it, xgrammar's allocation fails (MemoryError), or the child
+    dies, alone."""
     try:
         with open("/proc/self/statm") as statm:
             in_use = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
@@ -162,8 +166,10 @@ class GrammarWorker:
             raise RuntimeError("the grammar worker process did not start")
 
     def run(self, job: Job) -> str:
-        """The job's compiled grammar JSON; an InvalidRequest if the child refused the spec,
-        died on it (then it is replaced at the next job) or ran past `seconds` (then it is killed)."""
+        """The job's compiled grammar JSON. It raises an InvalidRequest in three cases:
+        - the child refused the spec;
+        - the child died on it (then it is replaced at the next job);
+        - the child ran past `seconds` (then it is killed)."""
         self.start()
         self.conn.send(job)
         self.job = job

@@ -1,27 +1,32 @@
-"""Int8 weight-only quantization (`LLM(model, quantization="int8")`): every linear layer's weight is stored
-as int8 with one scale per output channel; the activations, the embedding and the KV cache stay in `dtype`.
+"""Weight-only quantization: `LLM(model, quantization="int8")` or `"int4"`.
 
-Why: a decode step of a few requests reads every weight once and does little arithmetic with each, so
-its time is about its bytes (docs/quantization.md). An int8 weight is half of bfloat16's bytes and a
+With int8, every linear layer's weight is stored as int8, with one scale per output channel. With int4,
+each group of 32 inputs in a row shares a scale and a zero (`Int4Linear`). The activations, the embedding
+and the KV cache stay in `dtype`.
+
+Why: a decode step of a few requests reads every weight once, and does little arithmetic with each.
+So its time is about its bytes (docs/quantization.md). An int8 weight is half of bfloat16's bytes and a
 quarter of float32's.
 
 The rule, for a weight W [out, in] (symmetric, per output channel o):
     scale[o] = max_i |W[o, i]| / 127          rounded to `dtype`; a row of zeros gets scale 1
     q[o, i]  = round(W[o, i] / scale[o])      an int8 in [-127, 127]
     x @ (q * scale[:, None]).T == (x @ q.T) * scale
-The right-hand side is what torch's `_weight_int8pack_mm` computes, converting q to floats as it reads
-it, so the dequantized matrix is never written out. That kernel converts the whole weight again for
-every row, so from DEQUANTIZE_ROWS rows on (a prompt) a CPU step converts q to `dtype` once (exact:
-|q| <= 127) and multiplies it whole, where the CPU multiplies `dtype` natively (float32; bfloat16 with
-oneDNN's kernels): 2.4-2.7x faster at 128-512 rows in bfloat16, 18-38x in float32; bfloat16 held to
-AVX2 keeps the kernel, 2.9x faster there (docs/quantization.md, "Many rows").
+The right-hand side is what torch's `_weight_int8pack_mm` computes. It converts q to floats as it reads
+it, so the dequantized matrix is never written out.
+
+But that kernel converts the whole weight again for every row. So from DEQUANTIZE_ROWS rows on (a prompt),
+a CPU step converts q to `dtype` once and multiplies it whole. The conversion is exact, since |q| <= 127.
+It does so where the CPU multiplies `dtype` natively: float32, and bfloat16 with oneDNN's kernels.
+That is 2.4-2.7x faster at 128-512 rows in bfloat16, and 18-38x in float32. bfloat16 held to AVX2 keeps
+the kernel, which is 2.9x faster there (docs/quantization.md, "Many rows").
 
 Invariants:
 - Only linears are quantized: those of the decoder layers and lm_head. A tied lm_head gets its own int8
-  copy; the embedding it shares the matrix with keeps its rows in `dtype`.
-- Quantizing follows loading, so with tensor parallelism each rank quantizes its own shard: a row-parallel
-  shard (o_proj, down_proj: split on in) has scales of its own slice's rows.
-- `Int8Linear.dequantize()` is the weight its products equal; the tests run transformers on those weights.
+  copy. The embedding it shares the matrix with keeps its rows in `dtype`.
+- Quantizing follows loading, so with tensor parallelism each rank quantizes its own shard.
+  A row-parallel shard (o_proj, down_proj: split on in) has scales of its own slice's rows.
+- `dequantize()` is the weight a layer's products equal. The tests run transformers on those weights.
 """
 from __future__ import annotations
 
@@ -34,12 +39,11 @@ from nanoserve.device import has_onednn
 
 # from this many rows (a prompt's) a CPU step multiplies by the converted weight, not the int8 kernel (above)
 DEQUANTIZE_ROWS = 128
-INT4_GROUP_SIZES = (32, 64, 128)  # inputs that share one int4 scale and zero; 32 is the default
 
 
 class Int8Linear(nn.Module):
-    """nn.Linear with an int8 weight [out, in] and a scale [out] in the activation dtype; a bias, if any,
-    stays as loaded and is added to the product."""
+    """nn.Linear with an int8 weight [out, in] and a scale [out] in the activation dtype.
+    A bias, if any, stays as loaded and is added to the product."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -122,8 +126,8 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_linears(model: nn.Module, quantization: str, group_size: int = 32) -> nn.Module:
-    """Replace every nn.Linear of a loaded model by its `quantization` ("int8": Int8Linear; "int4": Int4Linear of
-    `group_size`). A device, dtype or shape torch's kernel refuses is a ValueError (Config checks the names)."""
+    """Replace every nn.Linear of a loaded model by its `quantization`: Int8Linear, or Int4Linear of `group_size`.
+    A device, dtype or shape torch's kernel refuses is a ValueError. (Config checks the names.)"""
     weight = model.lm_head.weight
     if weight.device.type == "cpu" and weight.dtype == torch.float32:
         logging.getLogger(__name__).warning(
@@ -148,8 +152,8 @@ def check_shape(name: str, weight: torch.Tensor, quantization: str, group_size: 
 
 
 def check_kernel(layer: nn.Module, weight: torch.Tensor, quantization: str = "int8") -> None:
-    """Run `layer` on one row of zeros: a device, dtype or shape the kernel refuses is a ValueError now,
-    at load, not in the first step."""
+    """Run `layer` on one row of zeros. A device, dtype or shape the kernel refuses is then a ValueError
+    now, at load, not in the first step."""
     kernel = "aten._weight_int8pack_mm" if quantization == "int8" else "aten._weight_int4pack_mm"
     try:
         layer(torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device))

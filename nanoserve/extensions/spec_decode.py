@@ -1,9 +1,10 @@
 """Speculative decoding by n-gram prompt lookup: several tokens per decode step where the output repeats the context.
 
-A step of one decoding request reads the whole model for one token. When the output quotes its input (a summary,
-a code edit, "rewrite this"), the next tokens can be guessed: find the most recent earlier occurrence of the
-context's last n tokens and propose the k tokens that followed it (`propose_ngram`). The request then runs 1 + k
-query tokens in the step, one more varlen row of the flat batch (like a prefill chunk), and samples at every one:
+A step of one decoding request reads the whole model for one token. Sometimes the output quotes its input
+(a summary, a code edit, "rewrite this"). Then the next tokens can be guessed. `propose_ngram` finds the most
+recent earlier occurrence of the context's last n tokens, and proposes the k tokens that followed it.
+The request then runs 1 + k query tokens in the step, and samples at every one. They are one more varlen row
+of the flat batch, like a prefill chunk:
 
     token_ids        = [... the cat sat on the mat . the cat]   num_computed_tokens: all but the last "cat"
     drafts           = [sat on the]                             (after the earlier "the cat")
@@ -12,17 +13,19 @@ query tokens in the step, one more varlen row of the flat batch (like a prefill 
     accepted         = [sat on]  + bonus [a]                    the drafts up to the first mismatch, then the
                                                                 token sampled there: 3 tokens in one step
 
-Verification samples each position as a step without drafts would (same params, same seeded noise: sampler.py)
-and keeps a draft while it equals the sample. Under greedy that is "equals the argmax", so the output is exactly
-what decoding token by token gives. At temperature > 0 it is the speculative-sampling rule of Leviathan et al. and
-Chen et al. (vLLM's) for a one-hot draft: draft x is accepted with probability p(x), and after a rejection the token
-comes from p with x removed, renormalised (the sample, given it is not x). The output distribution is unchanged,
-and a seeded request gives the same tokens with speculation as without.
+Verification samples each position as a step without drafts would: same params, same seeded noise
+(sampler.py). It keeps a draft while the draft equals the sample. Under greedy that means "equals the argmax".
+So the output is exactly what decoding token by token gives. At temperature > 0 it is the speculative-sampling
+rule of Leviathan et al. and Chen et al. (vLLM's) for a one-hot draft. Draft x is accepted with probability p(x).
+After a rejection, the token comes from p with x removed, renormalised (the sample, given it is not x).
+The output distribution is unchanged. A seeded request gives the same tokens with speculation as without.
 
-Invariants: drafts live in `seq.spec_token_ids` only from `schedule_drafts` to `accept` (one step); only accepted
-tokens enter `token_ids`, so stop rules, logprobs, streaming and the prefix cache (which hashes full blocks of
-`token_ids` only) never see a rejected one. A rejected draft's KV slot is left as it is: `num_computed_tokens`
-rolls back over it and a later step writes over it; blocks that held only rejected drafts go back to the pool.
+Invariants:
+- Drafts live in `seq.spec_token_ids` only from `schedule_drafts` to `accept` (one step).
+- Only accepted tokens enter `token_ids`. So stop rules, logprobs, streaming and the prefix cache never see a
+  rejected one. (The prefix cache hashes full blocks of `token_ids` only.)
+- A rejected draft's KV slot is left as it is. `num_computed_tokens` rolls back over it, and a later step
+  writes over it. Blocks that held only rejected drafts go back to the pool.
 """
 from __future__ import annotations
 
@@ -39,10 +42,11 @@ if TYPE_CHECKING:
     from nanoserve.scheduler import Row, ScheduledSeq, Scheduler
 
 def propose_ngram(token_ids: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
-    """k tokens that followed the most recent earlier occurrence of the last n tokens, for the longest n from
-    n_max down to n_min that occurs; [] if none does. token_ids [L] int64. Where fewer than k tokens follow it
-    (it overlaps the end), the copy runs on over the tokens it proposed, as LZ77 does: a tail that repeats every
-    p tokens is proposed in full, not p tokens at a time."""
+    """k tokens that followed the most recent earlier occurrence of the last n tokens. token_ids is [L] int64.
+
+    n is the longest from n_max down to n_min that occurs. Returns [] if none does. Fewer than k tokens may
+    follow the occurrence, where it overlaps the end. Then the copy runs on over the tokens it proposed, as
+    LZ77 does. So a tail that repeats every p tokens is proposed in full, not p tokens at a time."""
     ends = np.flatnonzero(token_ids[:-1] == token_ids[-1])  # where the last token occurred before: n-gram ends
     for n in range(min(n_max, len(token_ids) - 1), n_min - 1, -1):
         found = ends[ends >= n - 1]
@@ -54,9 +58,11 @@ def propose_ngram(token_ids: np.ndarray, k: int, n_min: int, n_max: int) -> list
 
 
 class Proposer(Protocol):
-    """Where draft tokens come from. `Speculator.schedule_drafts` calls `propose` for each decode it drafts for,
-    with the request's tokens so far and the most drafts that fit: it returns up to k token ids it guesses
-    follow them ([] for none), and changes nothing. `NgramProposer` is one; tests/test_drafter.py has another,
+    """Where draft tokens come from.
+
+    `Speculator.schedule_drafts` calls `propose` for each decode it drafts for. It passes the request's tokens
+    so far and the most drafts that fit (k). `propose` returns up to k token ids it guesses follow them
+    ([] for none), and changes nothing. `NgramProposer` is one proposer. tests/test_drafter.py has another,
     which proposes fixed tokens. Scheduling, verifying and rolling back are the same for every proposer."""
 
     def propose(self, token_ids: list[int], k: int) -> list[int]: ...
@@ -73,8 +79,8 @@ class NgramProposer:
 
 
 class Speculator:
-    """The scheduler's Drafter (scheduler.py): drafts for its decodes from a `Proposer` (`schedule_drafts`), their
-    verification (`accept`), and vLLM's counters."""
+    """The scheduler's Drafter (scheduler.py). `schedule_drafts` drafts for its decodes from a `Proposer`.
+    `accept` verifies them. `stats` keeps vLLM's counters."""
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
@@ -83,9 +89,11 @@ class Speculator:
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
 
     def schedule_drafts(self, scheduler: Scheduler, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """Give each decode in the step's plan its drafts: within the token budget, below max_tokens and
-        max_model_len, and in KV slots that leave the admission reserve (`blocks_to_keep_free`) free, so that the
-        running requests' next tokens always come before drafts: drafts shrink, nobody is preempted for them."""
+        """Give each decode in the step's plan its drafts.
+
+        Drafts stay within the token budget, and below max_tokens and max_model_len. Their KV slots leave the
+        admission reserve (`blocks_to_keep_free`) free. So the running requests' next tokens always come before
+        drafts. Drafts shrink instead, and nobody is preempted for them."""
         if len(scheduler.running) >= self.config.disable_by_batch_size:
             return scheduled
         manager = scheduler.block_manager
@@ -108,9 +116,11 @@ class Speculator:
         return planned
 
     def accept(self, seq: Sequence, rows: list[Row], block_manager: BlockManager) -> list[Row]:
-        """After the step verified seq's drafts with its 1 + k sampled rows (token, logprobs): keep the drafts
-        that equal their position's sample, roll back over the rest, and return the rows of the tokens kept:
-        the accepted drafts and the sample after them, which the scheduler appends until a stop rule fires."""
+        """Keep seq's drafts that equal their position's sample, and roll back over the rest.
+
+        The step verified the drafts with seq's 1 + k sampled rows (token, logprobs). Returns the rows of the
+        tokens kept: the accepted drafts and the sample after them. The scheduler appends them until a stop
+        rule fires."""
         drafts, seq.spec_token_ids = seq.spec_token_ids, []
         num_accepted = next((j for j, draft in enumerate(drafts) if draft != rows[j][0]), len(drafts))
         self.num_drafts += 1
@@ -123,8 +133,8 @@ class Speculator:
         return rows[:num_accepted + 1]
 
     def stats(self) -> dict[str, int | list[int]]:
-        """vLLM's spec-decode counters since start: verification steps with drafts, draft tokens, accepted ones,
-        and accepted ones by position in the draft."""
+        """vLLM's spec-decode counters since start. They count verification steps with drafts, draft tokens,
+        accepted ones, and accepted ones by position in the draft."""
         per_pos = self.num_accepted_tokens_per_pos  # a draft token is accepted only after all those before it
         return dict(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
                     num_accepted_tokens=sum(per_pos), num_accepted_tokens_per_pos=list(per_pos))

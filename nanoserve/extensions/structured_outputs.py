@@ -1,20 +1,23 @@
-"""Structured outputs: a grammar the output must follow (a JSON schema, a regex, a choice of strings, an
-EBNF grammar), enforced one token at a time by a mask over the vocabulary, with xgrammar.
+"""Structured outputs: a grammar the output must follow, enforced one token at a time by a mask over the
+vocabulary, with xgrammar. The grammar is a JSON schema, a regex, a choice of strings, or an EBNF grammar.
 
 A request's grammar goes through three stages (docs/structured-outputs.md):
-1. add_request checks the spec's cheap bounds (grammar_bounds.py: size, nesting, stacked quantifiers): a spec
-   past them is a ValueError naming structured_outputs there, before anything is queued;
-2. a background thread has a child process parse it and compile it against the tokenizer's vocabulary (for
-   each grammar state, which tokens may follow: the costly part; grammar_workers.py), so that a spec that
-   crashes xgrammar fails its own request only. Compiled grammars are cached by spec. The scheduler admits the
-   request only once its grammar is compiled; other requests run meanwhile; a spec the child refuses, crashes
-   on or takes too long over fails its request with an InvalidRequest naming structured_outputs;
-3. each step, `apply_grammar_masks` fills one bitmask row per constrained request from its matcher (the
-   grammar's state after the output so far) and sets the logits of the tokens outside it to -inf; the
-   sampled token then advances the matcher (`RequestGrammar.accept`, from Sequence.append_token).
+1. add_request checks the spec's cheap bounds (grammar_bounds.py: size, nesting, stacked quantifiers).
+   A spec past them is a ValueError naming structured_outputs there, before anything is queued.
+2. A background thread has a child process parse it and compile it against the tokenizer's vocabulary
+   (grammar_workers.py). Compiling finds, for each grammar state, which tokens may follow: the costly part.
+   In a child, a spec that crashes xgrammar fails its own request only. Compiled grammars are cached by spec.
+   The scheduler admits the request only once its grammar is compiled. Other requests run meanwhile.
+   A spec the child refuses, crashes on or takes too long over fails its request. The error is an
+   InvalidRequest naming structured_outputs.
+3. Each step, `apply_grammar_masks` fills one bitmask row per constrained request from its matcher.
+   The matcher is the grammar's state after the output so far. The logits of the tokens outside the mask
+   become -inf. The sampled token then advances the matcher (`RequestGrammar.accept`, from
+   Sequence.append_token).
+
 Invariant: a request's matcher has accepted exactly its output tokens. A preempted request keeps its
-tokens and its matcher; recomputing the prompt samples nothing, so the matcher is not advanced twice.
-The grammar ends with the stop token (EOS): once accepted, the matcher is terminated and the request
+tokens and its matcher. Recomputing the prompt samples nothing, so the matcher is not advanced twice.
+The grammar ends with the stop token (EOS). Once it is accepted, the matcher is terminated and the request
 finishes with "stop".
 """
 from __future__ import annotations
@@ -47,8 +50,12 @@ SMALL_SPEC_CHARS = 4096  # a spec this short compiles in a lane of its own, neve
 
 @dataclass(frozen=True)
 class StructuredOutputsParams(GrammarSpec):
-    """Exactly one of: `json`, a JSON schema (a dict, or its text); `json_object=True`, any JSON object;
-    `regex`; `choice`, one of these strings; `grammar`, an EBNF grammar (xgrammar's, GBNF-like). vLLM's names."""
+    """Exactly one of these, with vLLM's names:
+    - `json`: a JSON schema (a dict, or its text);
+    - `json_object=True`: any JSON object;
+    - `regex`;
+    - `choice`: one of these strings;
+    - `grammar`: an EBNF grammar (xgrammar's, GBNF-like)."""
     json: dict | str | None = field(default=None, hash=False)
     regex: str | None = None
     choice: tuple[str, ...] | None = None  # a list is stored as a tuple
@@ -79,8 +86,8 @@ class StructuredOutputsParams(GrammarSpec):
 
 
 class RequestGrammar:
-    """One request's grammar: compiled in the background (`ready` once done), then a matcher that has
-    accepted exactly the request's output tokens."""
+    """One request's grammar. It is compiled in the background (`ready` once done). Then it is a matcher
+    that has accepted exactly the request's output tokens."""
 
     def __init__(self, compiled: Future) -> None:
         self.compiled = compiled
@@ -88,8 +95,8 @@ class RequestGrammar:
 
     @property
     def ready(self) -> bool:
-        """Compiled: the request may run (the scheduler checks). A failed compile is never ready (`poll` ends
-        its request)."""
+        """Compiled, so the request may run (the scheduler checks). A failed compile is never ready.
+        (`poll` ends its request.)"""
         return self.compiled.done() and failure(self.compiled) is None
 
     def start(self) -> Any:
@@ -99,8 +106,8 @@ class RequestGrammar:
         return self.matcher
 
     def accept(self, token: int) -> Exception | None:
-        """Advance the matcher by token; None, or the error that fails the request (never the step): the
-        grammar refused a token its mask allowed, or failed."""
+        """Advance the matcher by token. Returns None, or the error that fails the request (never the step).
+        The error is the grammar refusing a token its mask allowed, or failing."""
         try:
             if self.start().accept_token(token):
                 return None
@@ -115,15 +122,19 @@ class RequestGrammar:
 
 
 class GrammarCompiler:
-    """An engine's grammars: bounded here (grammar_bounds.py), parsed and compiled in child processes
-    (grammar_workers.py) by two background threads, cached by spec. One thread for small specs
-    (SMALL_SPEC_CHARS), one for the rest, so that a 1 ms regex never waits behind a 5,000-string enum; each
-    thread owns one worker process, started at its first grammar (a plain request never starts one).
-    Thread-safe: a server's handlers submit grammars too and wait for the compile (`submit(..., waiting=True)`,
-    then `leave`) before the request reaches the engine, whose add_request then finds it compiled in the
-    cache; a compile that every waiter left before it started is cancelled. `max_bytes`, `max_depth`: the
-    bounds (a server sets its own); `memory_bytes`: each worker's limit on one compile (its time limit:
-    grammar_workers.py)."""
+    """An engine's grammars. They are bounded here (grammar_bounds.py), and parsed and compiled in child
+    processes (grammar_workers.py) by two background threads. They are cached by spec.
+
+    One thread is for small specs (SMALL_SPEC_CHARS), one for the rest. So a 1 ms regex never waits behind
+    a 5,000-string enum. Each thread owns one worker process, started at its first grammar. A plain request
+    never starts one.
+
+    It is thread-safe. A server's handlers submit grammars too, and wait for the compile before the request
+    reaches the engine (`submit(..., waiting=True)`, then `leave`). The engine's add_request then finds it
+    compiled in the cache. A compile that every waiter left before it started is cancelled.
+
+    `max_bytes` and `max_depth` are the bounds (a server sets its own). `memory_bytes` is each worker's limit
+    on one compile (grammar_workers.py has its time limit)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, eos_token_ids: set[int],
                  memory_bytes: int = MEMORY_BYTES) -> None:
@@ -144,10 +155,12 @@ class GrammarCompiler:
         return RequestGrammar(self.submit(spec))
 
     def poll(self, waiting: Collection[Sequence], idle: bool, fail: Callable[[Sequence, Exception], object]) -> None:
-        """The grammar compiler seam's step (seams.py). When `idle` (the step scheduled nothing) and every waiting
-        request's grammar is compiling, wait until the first compile ends, but at most 0.1 s, so that a long one
-        never keeps the engine's loop from new requests and aborts. Then fail, each alone and logged, the waiting
-        requests whose grammar failed to compile (never `ready`: the scheduler never admits them)."""
+        """The grammar compiler seam's step (seams.py).
+
+        Sometimes the step is `idle` (it scheduled nothing) and every waiting request's grammar is compiling.
+        Then it waits until the first compile ends, but at most 0.1 s. So a long compile never keeps the
+        engine's loop from new requests and aborts. Then it fails the waiting requests whose grammar failed
+        to compile, each alone and logged. Those are never `ready`, so the scheduler never admits them."""
         with_grammar = [seq for seq in waiting if seq.grammar is not None]
         if idle and waiting and len(with_grammar) == len(waiting):  # returns at once if one compile has ended
             wait([seq.grammar.compiled for seq in with_grammar], 0.1, FIRST_COMPLETED)
@@ -157,9 +170,11 @@ class GrammarCompiler:
                 fail(seq, error)
 
     def submit(self, spec: StructuredOutputsParams, waiting: bool = False, checked: bool = False) -> Future:
-        """The compile of spec: cached, else started now (a failed one is tried again). A spec past the bounds
-        is an InvalidRequest naming structured_outputs here (unless `checked` by `check` before); one the worker
-        refuses, the future's exception. `waiting`: a request waits for it until it calls `leave`."""
+        """The compile of spec: cached, else started now. A failed one is tried again.
+
+        A spec past the bounds is an InvalidRequest naming structured_outputs here, unless `checked` by
+        `check` before. A spec the worker refuses is the future's exception. With `waiting`, a request waits
+        for it until it calls `leave`."""
         if not checked:
             self.check(spec)
         key = spec.key
@@ -175,16 +190,17 @@ class GrammarCompiler:
             return self.cache[key]
 
     def check(self, spec: StructuredOutputsParams) -> None:
-        """The spec within the bounds (grammar_bounds.py), else an InvalidRequest; its key then made (memoized)."""
+        """Check the spec is within the bounds (grammar_bounds.py), else raise an InvalidRequest.
+        Then make its key (memoized)."""
         if self.tokenizer is None:
             raise InvalidRequest("structured_outputs", "structured_outputs needs the model's tokenizer")
         check_bounds(vars(spec), self.max_bytes, self.max_depth)  # its fields by name
         spec.key  # noqa: B018 (made here, where it costs no one a wait)
 
     def leave(self, spec: StructuredOutputsParams) -> None:
-        """A request that waited for spec's compile stopped waiting (compiled, past its time budget, or its
-        client left). A compile no request waits for any more and not yet started is cancelled: six clients
-        that sent a huge schema and left kept the compile thread busy for 23 s."""
+        """A request that waited for spec's compile stopped waiting. It was compiled, or past its time budget,
+        or its client left. A compile not yet started that no request waits for any more is cancelled.
+        Without that, six clients that sent a huge schema and left kept the compile thread busy for 23 s."""
         key = spec.key
         with self.lock:
             self.waiters[key] -= 1
@@ -194,15 +210,17 @@ class GrammarCompiler:
                     del self.cache[key]
 
     def evict(self) -> None:
-        """Drop the least recently asked for grammars past CACHE_SIZE or past cache_bytes (the compiled ones'
-        sizes: a 5,000-string enum takes ~75 MB). A request holding one keeps it until it ends."""
+        """Drop the least recently asked for grammars past CACHE_SIZE, or past cache_bytes.
+        cache_bytes counts the compiled ones' sizes: a 5,000-string enum takes ~75 MB.
+        A request holding one keeps it until it ends."""
         num_bytes = sum(map(num_bytes_of, self.cache.values()))
         while len(self.cache) > CACHE_SIZE or num_bytes > self.cache_bytes and len(self.cache) > 1:
             _, future = self.cache.popitem(last=False)
             num_bytes -= num_bytes_of(future)
 
     def worker(self) -> GrammarWorker:
-        """In a compile thread: its worker process (made at its first grammar; the process starts at its first job)."""
+        """In a compile thread: its worker process. It is made at its first grammar. The process starts at
+        its first job."""
         import xgrammar as xgr
         with self.lock:
             if self.tokenizer_info is None:
@@ -214,8 +232,9 @@ class GrammarCompiler:
             return self.workers[name]
 
     def start_workers(self) -> list[Future]:
-        """Start each thread's worker process now (once), ahead of any compile: a server waits for these before a
-        request's compile time budget starts, so that no request's budget pays for a worker's start (seconds)."""
+        """Start each thread's worker process now (once), ahead of any compile.
+        A server waits for these before a request's compile time budget starts. So no request's budget pays
+        for a worker's start, which takes seconds."""
         with self.lock:
             if not self.started:
                 self.started = [pool.submit(lambda: self.worker().start()) for pool in (self.small_pool, self.pool)]
@@ -235,8 +254,8 @@ class GrammarCompiler:
 
 
 def failure(future: Future) -> BaseException | None:
-    """A future's exception once done: CancelledError if it was cancelled (Future.exception would raise it); None
-    while it runs, or once it succeeded."""
+    """A future's exception once done. It is CancelledError if it was cancelled (Future.exception would raise
+    it). It is None while it runs, or once it succeeded."""
     if not future.done():
         return None
     return CancelledError() if future.cancelled() else future.exception()
@@ -248,9 +267,11 @@ def num_bytes_of(future: Future) -> int:
 
 
 def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """logits [S, vocab], in place: -inf on each constrained row's tokens that its grammar forbids now.
-    One bitmask for the whole step, [S, ceil(vocab / 32)] int32 (bit t of a row: token t allowed; all set
-    when made). A grammar that fails here fails its request alone (seq.error); its row is left unmasked."""
+    """Set -inf in logits [S, vocab], in place, on each constrained row's tokens that its grammar forbids now.
+
+    One bitmask serves the whole step, [S, ceil(vocab / 32)] int32. Bit t of a row means token t is allowed.
+    All bits are set when made. A grammar that fails here fails its request alone (seq.error). Its row is
+    left unmasked."""
     rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None and seq.error is None]
     if not rows:
         return

@@ -1,11 +1,11 @@
-"""Paged attention in Triton: the step's whole flat batch, prompt chunks and decodes together, in one
-launch per layer, reading every key and value where it sits in the paged KV cache.
+"""Paged attention in Triton. It runs the step's whole flat batch, prompt chunks and decodes together,
+in one launch per layer. It reads every key and value where it sits in the paged KV cache.
 
 The kernel reads the Batch's own arrays (batch.py) as tensors: `query_start_loc`, `seq_lens` and
-`block_tables`. No per-request Python runs and no KV is copied out of the cache
-(the torch backend in attention.py copies; it stays the plain reference the tests compare with).
+`block_tables`. No per-request Python runs, and no KV is copied out of the cache. (The torch backend in
+attention.py copies. It stays the plain reference the tests compare with.)
 
-Who reads what. The flat batch's N query rows are cut into tiles of BLOCK_Q rows; each request starts
+Who reads what. The flat batch's N query rows are cut into tiles of BLOCK_Q rows. Each request starts
 a new tile, so a tile never mixes two requests. One program owns one (query tile, KV head):
 
     q rows:        | request 0: 5 queries | 1 | request 2: 7 queries      |    (BLOCK_Q = 4)
@@ -22,15 +22,15 @@ a new tile, so a tile never mixes two requests. One program owns one (query tile
         softmax:   online, as flash-attention's: a running max m, sum l and output acc per row,
                    acc / l written at the end; a row that saw no key has l = 0 and writes 0
 
-Causal masks are aligned bottom-right: the request's queries are its last `query_len` tokens, so
-query i (0 = its first) sees key j iff j <= i + seq_len - query_len.
+Causal masks are aligned bottom-right. The request's queries are its last `query_len` tokens.
+So query i (0 = its first) sees key j iff j <= i + seq_len - query_len.
 
-Writing the step's k and v into the cache is not a kernel of this module: the backend's op stores them as
-attention.store_kvcache does (two index_copy_ calls, which CUDA graphs capture and which run on any device).
+Writing the step's k and v into the cache is not a kernel of this module. The backend's op stores them
+as attention.store_kvcache does: two index_copy_ calls, which CUDA graphs capture and which run on any device.
 
-This module imports triton at its top: it is imported only once the triton backend is chosen
-(triton_backend.py), because TRITON_INTERPRET (run the kernels in Triton's interpreter, on a CPU) is
-read when a kernel is defined.
+This module imports triton at its top. It is imported only once the triton backend is chosen
+(triton_backend.py), because TRITON_INTERPRET is read when a kernel is defined. (TRITON_INTERPRET runs
+the kernels in Triton's interpreter, on a CPU.)
 """
 from __future__ import annotations
 
@@ -42,9 +42,11 @@ from torch import Tensor
 
 @triton.jit
 def find_request(query_start_loc_ptr, num_requests, tile, BLOCK_Q: tl.constexpr):
-    """The request that owns query tile `tile`. Request b's tiles start at tile
-    query_start_loc[b] // BLOCK_Q + b (the + b: each request starts a tile of its own), which grows
-    with b: the owner is the last request starting at or before `tile`, found by binary search."""
+    """The request that owns query tile `tile`.
+
+    Request b's tiles start at tile query_start_loc[b] // BLOCK_Q + b. The + b is there because each
+    request starts a tile of its own. That start grows with b. So the owner is the last request starting
+    at or before `tile`, found by binary search."""
     lo: tl.int32 = 0  # invariant: request lo starts at or before `tile`, request hi (if any) after it
     hi = num_requests
     while hi - lo > 1:
@@ -65,9 +67,9 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                            GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
                            DOT_PRECISION: tl.constexpr):
-    """One program per (query tile, KV head): the tile's queries, each with the GROUP query heads that
-    read this KV head, attend to their request's keys through its block table. GROUP_P: GROUP rounded
-    up to a power of two; a tile holds BLOCK_M // GROUP_P queries."""
+    """One program per (query tile, KV head). The tile's queries attend to their request's keys through
+    its block table. Each query comes with the GROUP query heads that read this KV head.
+    GROUP_P is GROUP rounded up to a power of two. A tile holds BLOCK_M // GROUP_P queries."""
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     b = find_request(query_start_loc_ptr, num_requests, tile, BLOCK_Q)
@@ -124,9 +126,9 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
                     block_tables: Tensor, scale: float) -> Tensor:
-    """q `[N, H, D]` -> `[N, H, D]`: request b's queries, rows query_start_loc[b]:query_start_loc[b + 1],
-    attend to its first seq_lens[b] keys, in blocks block_tables[b] of the caches. The grid depends only
-    on shapes, never on the lengths' values: a CUDA graph or a compiled step can replay it."""
+    """q `[N, H, D]` -> `[N, H, D]`. Request b's queries are rows query_start_loc[b]:query_start_loc[b + 1].
+    They attend to its first seq_lens[b] keys, in blocks block_tables[b] of the caches. The grid depends
+    only on shapes, never on the lengths' values. So a CUDA graph or a compiled step can replay it."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_requests = k_cache.shape[2], len(seq_lens)
     group = num_heads // num_kv_heads

@@ -1,12 +1,15 @@
-"""Model implementations: Llama (llama.py), which runs every family nanoserve serves. `load_model`
-(loader.py) builds it with the `Family` (families.py) that the checkpoint's config.json describes: what
-its architecture (a row in `families.MODELS`) and config.json change from Llama's layers.
+"""Model implementations: Llama (llama.py), which runs every family nanoserve serves.
+`load_model` (loader.py) builds it with the `Family` (families.py) that the checkpoint's config.json
+describes. The Family says what its architecture (a row in `families.MODELS`) and config.json change
+from Llama's layers.
 
-Adding a model family: docs/models.md, "Adding a family". In short: a row in `families.MODELS` (and,
-for a new kind of difference, a `Family` field and its use where llama.py builds that layer); its
-config class in tests/conftest.py's FAMILIES and its tiny models in MODELS there, added to the
-parametrizations of the parity tests. Only values every family's config has are read as such (head_dim:
-`get_head_dim`); the loader refuses a checkpoint tensor the model leaves unread.
+docs/models.md, "Adding a family", says how to add a model family. In short:
+- Add a row in `families.MODELS`. A new kind of difference also needs a `Family` field, used where
+  llama.py builds that layer.
+- Add its config class to tests/conftest.py's FAMILIES, and its tiny models to MODELS there.
+- Add those to the parametrizations of the parity tests.
+Only values every family's config has are read as such (head_dim: `get_head_dim`). The loader refuses
+a checkpoint tensor the model leaves unread.
 """
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ from transformers import PretrainedConfig
 
 
 def get_head_dim(config: PretrainedConfig) -> int:
-    """Each attention head's size: `head_dim` where the config gives one (it may differ from hidden /
-    heads: Qwen3Config gives 128 unless told otherwise, whatever hidden / heads is), else hidden_size /
-    num_attention_heads (configs such as Qwen2's have no head_dim). The one place head_dim is derived."""
+    """Each attention head's size. This is the one place head_dim is derived.
+
+    It is `head_dim` where the config gives one. That may differ from hidden / heads: Qwen3Config gives 128
+    unless told otherwise, whatever hidden / heads is. Else it is hidden_size / num_attention_heads
+    (configs such as Qwen2's have no head_dim)."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

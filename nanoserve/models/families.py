@@ -1,9 +1,11 @@
-"""What each model family differs in from Llama, as data: one frozen `Family` per checkpoint, read from its
-config.json once (`describe`) and passed to the model as one object. `MODELS` names the architectures
-nanoserve runs (config.json's `architectures`) and what each one always differs in; `describe` adds what
-the checkpoint's config.json says (head_dim, tied head, RoPE, sliding window).
+"""What each model family differs in from Llama, as data. There is one frozen `Family` per checkpoint.
+`describe` reads it from config.json once, and it is passed to the model as one object.
 
-A family that differs from Llama only in these fields is one row in `MODELS`; a new kind of difference is
+`MODELS` names the architectures nanoserve runs (config.json's `architectures`). It says what each one
+always differs in. `describe` adds what the checkpoint's config.json says: head_dim, tied head, RoPE,
+sliding window.
+
+A family that differs from Llama only in these fields is one row in `MODELS`. A new kind of difference is
 a new field here, read where llama.py builds the layer it changes (docs/models.md, "Adding a family").
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ from nanoserve.models import get_head_dim
 @dataclass(frozen=True)
 class Family:
     """A MODELS row sets the first three fields, which are the same for every checkpoint of the
-    architecture; `describe` fills in the rest from one checkpoint's config.json."""
+    architecture. `describe` fills in the rest from one checkpoint's config.json."""
     architecture: str  # config.json's `architectures` entry, e.g. "Qwen3ForCausalLM"
     qkv_bias: bool = False  # q, k and v projections have a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and of k, before RoPE (Qwen3)
@@ -55,8 +57,9 @@ def describe(config: PretrainedConfig) -> Family:
 
 
 def check_max_model_len(config: PretrainedConfig, family: Family, max_model_len: int) -> None:
-    """Refuse a context longer than the checkpoint's positions, or than its sliding window: attention here
-    always sees the whole context, which differs from the model's once a request is longer than its window."""
+    """Refuse a context longer than the checkpoint's positions, or than its sliding window.
+    Attention here always sees the whole context. That differs from the model's once a request is longer
+    than its window."""
     if max_model_len > config.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                          f"max_position_embeddings={config.max_position_embeddings}")

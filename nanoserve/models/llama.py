@@ -1,25 +1,25 @@
-"""Llama, assembled from layers/ and attention.py; the families that are its layers too run on it, each
-described by a `Family` (families.py: Qwen2's bias on q, k and v, Qwen3's q/k norm, head_dim, ...).
+"""Llama, assembled from layers/ and attention.py. The families that share its layers run on it too.
+Each is described by a `Family` (families.py): Qwen2's bias on q, k and v, Qwen3's q/k norm, head_dim, ...
 
-The model sees one step's `Batch`: every scheduled request's new tokens laid end to end, so there
-is no batch dimension anywhere, only N tokens. Each layer projects them to q, k, v, rotates q and k
-by their own `positions` (RoPE), and hands them to the attention backend, which writes k, v into the
-paged KV cache at `slot_mapping` and attends over each request's cached context. The model never
-knows which request a token belongs to, nor which attention backend runs: the backend's per-step
-metadata, prepared once from the `Batch`, carries all of that.
+The model sees one step's `Batch`: every scheduled request's new tokens laid end to end. So there is no
+batch dimension anywhere, only N tokens. Each layer projects them to q, k, v. It rotates q and k by their
+own `positions` (RoPE), and hands them to the attention backend. The backend writes k, v into the paged
+KV cache at `slot_mapping`, and attends over each request's cached context. The model never knows which
+request a token belongs to, nor which attention backend runs. The backend's per-step metadata, prepared
+once from the `Batch`, carries all of that.
 
 Invariants:
-- `model(batch, kv_cache)` returns float32 logits `[S, vocab]` for the rows `batch.logits_indices`
-  only: the final norm and lm_head (the largest matmul for a small model) skip every prompt token
-  that does not sample now.
-- Layer i reads and writes only `kv_cache[0, i]` (keys) and `kv_cache[1, i]` (values). It hands the
-  backend the whole cache and its index i, not those two views: the compiled step (compilation.py) calls
-  attention as one op, and an op that writes into views of a compiled graph's input loses its writes.
-- q, k, v are one fused matmul (`qkv_proj`), gate and up another (`gate_up_proj`); the loader
-  (loader.py) stacks the checkpoint's separate tensors (weights, and biases where there are any)
-  on the output dim as `CHECKPOINT_MODULES` says, so the math is unchanged.
-- With tensor parallelism (distributed.py) a model holds one rank's shard: 1/size of the heads, of the
-  MLP units and of the vocabulary; `all_reduce` after o_proj and down_proj sums the ranks' parts.
+- `model(batch, kv_cache)` returns float32 logits `[S, vocab]` for the rows `batch.logits_indices` only.
+  The final norm and lm_head skip every prompt token that does not sample now. (lm_head is the largest
+  matmul for a small model.)
+- Layer i reads and writes only `kv_cache[0, i]` (keys) and `kv_cache[1, i]` (values). Yet it hands the
+  backend the whole cache and its index i, not those two views. The compiled step (compilation.py) calls
+  attention as one op. An op that writes into views of a compiled graph's input loses its writes.
+- q, k, v are one fused matmul (`qkv_proj`), and gate and up another (`gate_up_proj`). The loader
+  (loader.py) stacks the checkpoint's separate tensors on the output dim, as `CHECKPOINT_MODULES` says.
+  It stacks weights, and biases where there are any. So the math is unchanged.
+- With tensor parallelism (distributed.py) a model holds one rank's shard. That is 1/size of the heads,
+  of the MLP units and of the vocabulary. `all_reduce` after o_proj and down_proj sums the ranks' parts.
 """
 from __future__ import annotations
 
@@ -51,9 +51,11 @@ CHECKPOINT_MODULES = {
 
 
 class LlamaAttention(nn.Module):
-    """Fused qkv projection (with a bias where `family.qkv_bias`), q/k norm (where `family.qk_norm`), RoPE,
-    paged attention (attention.py), output projection. Split over `shard.size` ranks (distributed.py),
-    each has its 1/size of the heads; the q/k norms' weights are per head dim, whole on every rank."""
+    """Fused qkv projection, q/k norm, RoPE, paged attention (attention.py), output projection.
+    The projection has a bias where `family.qkv_bias`. The q/k norm is there where `family.qk_norm`.
+
+    Split over `shard.size` ranks (distributed.py), each rank has its 1/size of the heads.
+    The q/k norms' weights are per head dim, so every rank holds them whole."""
 
     def __init__(self, config: PretrainedConfig, family: Family, attention: AttentionBackend, shard: Shard):
         super().__init__()
@@ -144,7 +146,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The model: `model.*` and `lm_head`, as the checkpoint names them; `family` (families.py) says what
+    """The model: `model.*` and `lm_head`, as the checkpoint names them. `family` (families.py) says what
     this checkpoint's layers differ in from Llama's."""
     checkpoint_modules = CHECKPOINT_MODULES  # how the checkpoint's modules become ours (loader.py reads it)
 
@@ -159,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // shard.size, bias=False)  # a vocab range
 
     def forward(self, batch: Batch, kv_cache: Tensor) -> Tensor | None:
-        """Logits `[S, vocab]` float32 (None on a tensor-parallel worker: rank 0 samples);
+        """Logits `[S, vocab]` float32, or None on a tensor-parallel worker (rank 0 samples).
         kv_cache is `[2, num_layers, num_blocks, block_size, Hkv, D]`."""
         logits = gather_on_rank0(self.lm_head(self.model(batch, kv_cache)), self.shard)
         return None if logits is None else logits.float()

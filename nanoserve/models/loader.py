@@ -1,17 +1,18 @@
-"""How a Hugging Face checkpoint (a folder of config.json and *.safetensors) becomes a model: llama.py's,
-built with the `Family` (families.py) its config.json describes (how to add one: docs/models.md).
-config.json is read once per process (`read_checkpoint`, by the engine) and passed down as a `Checkpoint`.
+"""How a Hugging Face checkpoint (a folder of config.json and *.safetensors) becomes a model.
+The model is llama.py's, built with the `Family` (families.py) its config.json describes.
+The page docs/models.md says how to add a family. The engine reads config.json once per process
+(`read_checkpoint`) and passes it down as a `Checkpoint`.
 
 Invariants:
-- Every parameter comes from the checkpoint, and every tensor transformers' model of the architecture
-  reads, ours reads too: the model is built on the meta device (no memory, no random init) and
-  `load_model` assigns real tensors, or raises a `ValueError` naming what is wrong before anything is
-  loaded (a missing file, tensor, a wrong shape, or a tensor no parameter of ours is made of).
+- Every parameter comes from the checkpoint. Every tensor that transformers' model of the architecture
+  reads, ours reads too. The model is built on the meta device (no memory, no random init). Then
+  `load_model` assigns real tensors. Or, before anything is loaded, it raises a `ValueError` naming what
+  is wrong. That may be a missing file or tensor, a wrong shape, or a tensor no parameter of ours is made of.
 - Checkpoint names map onto the model's parameters by one table, the model's `checkpoint_modules`
-  (llama.py's `CHECKPOINT_MODULES`): which checkpoint tensors stack into a fused parameter, and the
-  dim tensor parallelism splits each on. With tensor parallelism a rank reads only its slices, from disk.
-- After loading, each linear layer gets the implementation this device runs fastest (layers/linear.py),
-  or the weight transform's (seams.py), an int8 weight with `quantization` (extensions/quantization.py).
+  (llama.py's `CHECKPOINT_MODULES`). It says which checkpoint tensors stack into a fused parameter, and
+  the dim tensor parallelism splits each on. With tensor parallelism a rank reads only its slices, from disk.
+- After loading, each linear layer gets the implementation this device runs fastest (layers/linear.py).
+  Or it gets the weight transform's (seams.py): an int8 weight with `quantization` (extensions/quantization.py).
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ from nanoserve.seams import WeightTransform
 
 
 class Checkpoint(NamedTuple):
-    """A checkpoint folder's config.json, read once per process (`read_checkpoint`) and passed down: the folder,
-    the config and the `Family` it describes (families.py)."""
+    """A checkpoint folder's config.json, read once per process (`read_checkpoint`) and passed down.
+    It holds the folder, the config and the `Family` it describes (families.py)."""
     folder: Path
     config: PretrainedConfig
     family: Family
@@ -42,10 +43,11 @@ class Checkpoint(NamedTuple):
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, attention_backend: str,
                shard: Shard = Shard(), compiled_one_row: bool = False,
                transform: WeightTransform | None = None) -> nn.Module:
-    """Build the model of a Hugging Face folder (config.json + *.safetensors) on `device` in `dtype`;
-    with tensor parallelism, only `shard`'s part of it: every tensor is sliced as it is read. Its
-    linears suit the engine's steps (layers/linear.py: `compiled_one_row`), or are `transform`'s (the weight
-    transform seam, seams.py: int8 quantization), of this shard's weights."""
+    """Build the model of a Hugging Face folder (config.json + *.safetensors) on `device` in `dtype`.
+
+    With tensor parallelism it builds only `shard`'s part: every tensor is sliced as it is read.
+    Its linears suit the engine's steps (layers/linear.py: `compiled_one_row`). Or they are `transform`'s,
+    made of this shard's weights (the weight transform seam, seams.py: int8 quantization)."""
     folder, config, family = checkpoint
     with torch.device("meta"):  # shapes only: every parameter is replaced by a checkpoint tensor
         model = LlamaForCausalLM(config, family, attention_backend, shard)
@@ -69,9 +71,11 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
 
 
 def checkpoint_parts(param_name: str, table: dict[str, tuple[str, int]]) -> list[tuple[str, int | None]]:
-    """Our parameter -> the checkpoint tensors it is made of, in order, each with its split dim, as the
-    model's `table` says (llama.py's CHECKPOINT_MODULES): "model.layers.0.self_attn.qkv_proj.weight" ->
-    [("model.layers.0.self_attn.q_proj.weight", 0), (k...), (v...)]; a bias likewise."""
+    """Our parameter -> the checkpoint tensors it is made of, in order, each with its split dim.
+    The model's `table` says which (llama.py's CHECKPOINT_MODULES). A bias maps likewise. For example:
+
+        "model.layers.0.self_attn.qkv_proj.weight" -> [("model.layers.0.self_attn.q_proj.weight", 0), (k...), (v...)]
+    """
     # ["model", "layers", "0", "self_attn"] ([] for lm_head), "qkv_proj", "weight"
     *parents, module, leaf = param_name.split(".")
     parts = [(".".join([*parents, theirs, leaf]), dim) for theirs, (ours, dim) in table.items() if ours == module]
@@ -79,10 +83,12 @@ def checkpoint_parts(param_name: str, table: dict[str, tuple[str, int]]) -> list
 
 
 def read_checkpoint(path: str) -> Checkpoint:
-    """config.json and the `Family` it describes (families.py), read once per process (by the engine; by each
-    tensor-parallel worker), checked for an architecture in MODELS and for what llama.py implements. Only
-    attributes every family's config has are read as such; a family's own (Llama's attention_bias) are read
-    where present. A sliding window is checked against max_model_len (`families.check_max_model_len`)."""
+    """config.json and the `Family` it describes (families.py), read once per process.
+    The engine reads it, and so does each tensor-parallel worker.
+
+    It checks for an architecture in MODELS, and for what llama.py implements. Only attributes every
+    family's config has are read as such. A family's own (Llama's attention_bias) are read where present.
+    A sliding window is checked against max_model_len (`families.check_max_model_len`)."""
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"model folder {path!r} does not exist")
@@ -118,10 +124,11 @@ def index_checkpoint(folder: Path) -> dict[str, Path]:
 
 
 def check_checkpoint(files: dict[str, Path], config: PretrainedConfig, used: set[str]) -> None:
-    """Fail before loading anything if a tensor is missing or has the wrong shape, or if our model would
-    leave one unread (`used`: the checkpoint tensors its parameters are made of). Which tensors a
-    checkpoint holds, and their shapes, is what transformers' own model of its architecture holds, built
-    on the meta device (shapes only, no memory); a tied lm_head is not stored."""
+    """Fail before loading anything if a tensor is missing or has the wrong shape.
+    Fail too if our model would leave one unread. (`used` is the checkpoint tensors its parameters are made of.)
+
+    A checkpoint holds the tensors, with the shapes, that transformers' own model of its architecture holds.
+    That model is built on the meta device (shapes only, no memory). A tied lm_head is not stored."""
     with torch.device("meta"):
         reference = AutoModelForCausalLM.from_config(config)
     for name, tensor in reference.state_dict().items():
