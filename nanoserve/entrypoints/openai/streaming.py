@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from nanoserve import RequestDelta, RequestOutput, SamplingParams
 from nanoserve.entrypoints.openai.protocol import ENGINE_ERRORS, APIError, SamplingBody, engine_error
+from nanoserve.entrypoints.openai.sampling_body import grammar_field, sampling_params
 from nanoserve.entrypoints.openai.serving_engine import (
     API,
     Formatter,
@@ -30,8 +31,6 @@ from nanoserve.entrypoints.openai.serving_engine import (
     Serving,
     Shown,
     client_of,
-    grammar_field,
-    sampling_params,
 )
 
 logger = logging.getLogger(__name__)
