@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import nanoserve
-from nanoserve.entrypoints.openai import tool_parsers
+from nanoserve.entrypoints.openai import json_scan
 from nanoserve.entrypoints.openai.tool_parsers import (
     HermesReader,
     Llama3JsonReader,
@@ -160,7 +160,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call(tokenizer):
 
 
 class Counting:
-    """A token pattern of tool_parsers that counts the characters its matches consume."""
+    """A token pattern of json_scan.py (the parsers' JSON reader) that counts the characters its matches consume."""
 
     def __init__(self, pattern: re.Pattern) -> None:
         self.pattern, self.num_chars = pattern, 0
@@ -185,8 +185,8 @@ def test_a_stream_reads_each_character_once(monkeypatch, parser, text):
     parse. Catches the quadratic stream: the whole text parsed again at each delta (a 4,900-delta call cost
     16.5 s of event loop), and a string that the text stopped inside read again from its opening quote at each
     delta (quadratic in a long string argument)."""
-    counters = {name: Counting(getattr(tool_parsers, name)) for name in ("STRING_REST", "LITERAL_REST", "WHITESPACE")}
+    counters = {name: Counting(getattr(json_scan, name)) for name in ("STRING_REST", "LITERAL_REST", "WHITESPACE")}
     for name, counter in counters.items():
-        monkeypatch.setattr(tool_parsers, name, counter)
+        monkeypatch.setattr(json_scan, name, counter)
     assert stream(parser, list(text)) == whole(parser, text)
     assert sum(counter.num_chars for counter in counters.values()) <= 4 * len(text)  # stream and whole: 2 readings

@@ -1,5 +1,5 @@
 """The requests an AsyncLLM has been given but not yet handed to the engine, taken in turns across
-clients (async_llm.py: the engine loop hands the engine only what its next step could run). A client is
+clients (engine_loop.py: the engine loop hands the engine only what its next step could run). A client is
 what `Submit.turn` says: the server's client key (its API key where the server takes several, else its
 peer address: serving_engine.client_key), else the request's stream.
 
@@ -14,7 +14,7 @@ from typing import Generic, Protocol, TypeVar
 
 
 class Queued(Protocol):
-    """What the queue reads of a request it holds (async_llm.py's Submit): its id and whose turn it takes."""
+    """What the queue reads of a request it holds (engine_loop.py's Submit): its id and whose turn it takes."""
     request_id: str
 
     @property

@@ -1,7 +1,7 @@
 """Prometheus metrics named after vLLM's, each with a model_name label, in the app's own registry.
 
 `Metrics` is the server's stat logger: AsyncLLM's engine thread tells it of each request added, step
-run and request finished (async_llm.StatLogger) before the request's handler hears of them, and
+run and request finished (engine_loop.StatLogger) before the request's handler hears of them, and
 /metrics shows the registry. Times count from a request's arrival, the HTTP request's (its wait for
 the tokenizer and the engine thread is in them). As vLLM:
 - time to first token is observed at the request's first token, so a running request's shows while it
@@ -16,7 +16,7 @@ import functools
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from nanoserve.entrypoints.async_llm import StatLogger
+from nanoserve.entrypoints.engine_loop import StatLogger
 from nanoserve.outputs import RequestOutput, StepResult
 
 

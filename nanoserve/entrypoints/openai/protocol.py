@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nanoserve.entrypoints.async_llm import EngineDeadError, EngineGenerateError
+from nanoserve.entrypoints.engine_loop import EngineDeadError, EngineGenerateError
 from nanoserve.sampler import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)

@@ -1,25 +1,26 @@
-"""What /v1/completions and /v1/chat/completions share: the served model, its tokenizer thread, the
-slots of --max-num-queued-requests, prompts fitted to the context, and how results become choices.
+"""What /v1/completions and /v1/chat/completions share.
 
-`Serving` is the app's state (app.state.serving): the AsyncLLM (async_llm.py) whose engine thread
-alone calls the engine, the tokenizer thread that tokenizes and renders chat templates (so that
-neither the event loop nor the engine thread waits on a long input; clients take turns there:
-tokenizer_thread.py), and the metrics. Handlers never call the engine; they use its tokenizer (from the
-tokenizer thread) and its constants.
+They share the served model, its tokenizer thread and the slots of --max-num-queued-requests.
+They also share how prompts are fitted to the context, and how results become choices.
 
-An HTTP request's choices are n completions of each prompt: choice p * n + i is completion i of
-prompt p (as vLLM), each its own engine request; a `Generation` (streaming.py) submits them
+`Serving` is the app's state (app.state.serving). It holds the AsyncLLM (async_llm.py), whose engine
+thread alone calls the engine. It holds the tokenizer thread, which tokenizes and renders chat templates.
+So neither the event loop nor the engine thread waits on a long input. Clients take turns in that thread
+(tokenizer_thread.py). It holds the metrics too. Handlers never call the engine. They use its tokenizer
+(from the tokenizer thread) and its constants.
+
+An HTTP request's choices are n completions of each prompt. Choice p * n + i is completion i of
+prompt p (as vLLM), and each is its own engine request. A `Generation` (streaming.py) submits them
 together and reads them back together. Once the prompts are tokenized, the handler makes its API's
-`Formatter` (serving_completion.py, serving_chat.py), which turns each result (a RequestOutput for a
-whole response, a RequestDelta for a stream) into what its choice shows (`Shown`), then into the
-API's JSON.
+`Formatter` (serving_completion.py, serving_chat.py). The Formatter turns each result into what its
+choice shows (`Shown`), then into the API's JSON. A result is a RequestOutput for a whole response,
+or a RequestDelta for a stream.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import hashlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -39,8 +40,9 @@ T = TypeVar("T")
 
 @dataclass
 class Prompt:
-    """A prompt as the engine takes it, and as echo shows it: a string as given, token ids decoded (as
-    vLLM); None without a tokenizer."""
+    """A prompt as the engine takes it, and as echo shows it.
+
+    Echo shows a string as given, and token ids decoded (as vLLM). The text is None without a tokenizer."""
     token_ids: list[int]
     text: str | None = None
 
@@ -60,11 +62,13 @@ class Shown:
 
 
 class TokenStrings:
-    """Each token's text alone, as logprobs name tokens: tokenizer.decode([id]), as vLLM ("<s>", " sky",
-    "\ufffd" for one byte of a longer character); "token_id:N" without a tokenizer (vLLM's
-    return_tokens_as_token_ids). Every token the model can sample is decoded once, when the server
-    starts (one batch_decode: 0.07 s for the bundled model's 4,096 tokens), then looked up on the event
-    loop: logprobs never wait for the tokenizer thread, which a long prompt may hold for seconds."""
+    """Each token's text alone, as logprobs name tokens.
+
+    A token's text is tokenizer.decode([id]), as vLLM ("<s>", " sky", "\ufffd" for one byte of a longer
+    character). Without a tokenizer it is "token_id:N" (vLLM's return_tokens_as_token_ids).
+    Every token the model can sample is decoded once, when the server starts. That is one batch_decode
+    (0.07 s for the bundled model's 4,096 tokens). Later lookups happen on the event loop. So logprobs never
+    wait for the tokenizer thread, which a long prompt may hold for seconds."""
 
     def __init__(self, tokenizer: object | None, vocab_size: int) -> None:
         self.tokenizer = tokenizer
@@ -87,9 +91,10 @@ def text_or_token_ids(text: str | None, token_ids: list[int]) -> dict:
 
 
 class Formatter:
-    """One API's response and chunk choices, made per request once its prompts are tokenized; it holds
-    the request's prompts, its n, and the token strings. Each API (CompletionAPI, ChatAPI) sets the
-    names below and defines max_tokens, logprobs, show, choice and chunk_choice."""
+    """One API's response and chunk choices, made per request once its prompts are tokenized.
+
+    It holds the request's prompts, its n, and the token strings. Each API (CompletionAPI, ChatAPI) sets
+    the names below. It also defines max_tokens, logprobs, show, choice and chunk_choice."""
     id_prefix: str      # the response's id: f"{id_prefix}-{generation id}"
     object: str         # a whole response's "object"
     chunk_object: str   # a stream chunk's "object"
@@ -136,58 +141,16 @@ class Formatter:
 API = type[Formatter]
 
 
-def sampling_params(body: SamplingBody, api: API, max_tokens: int | None, limits: Limits) -> SamplingParams:
-    """The body's SamplingParams, checked by SamplingParams itself (a 400 names the field). max_tokens
-    None (chat: up to the end of the context) is settled once the prompt is tokenized (`fit_to_context`)."""
-    n = given(body.n, 1)
-    if not 1 <= n <= limits.max_n:  # SamplingParams takes any n >= 1: this server bounds one request's work
-        raise APIError(f"n must be from 1 to {limits.max_n}, this server's limit; got {n}", param="n")
-    logprobs, prompt_logprobs = api.logprobs(body)
-    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    for name, values in ("stop", stop), ("stop_token_ids", body.stop_token_ids or []):
-        if len(values) > limits.max_stop:
-            raise APIError(f"{name} has {len(values)} entries; this server takes at most {limits.max_stop}", param=name)
-    if any(len(s) > limits.max_stop_chars for s in stop):
-        raise APIError(f"a stop string is longer than {limits.max_stop_chars} characters, this server's limit",
-                       param="stop")
-    min_tokens = given(body.min_tokens, 0)
-    try:  # max_tokens None is settled later: until then at least min_tokens
-        return SamplingParams(temperature=given(body.temperature, 1.0), top_p=given(body.top_p, 1.0),
-                              top_k=given(body.top_k, 0), max_tokens=given(max_tokens, max(1, min_tokens)),
-                              stop=stop or None, stop_token_ids=body.stop_token_ids or None, seed=body.seed,
-                              ignore_eos=bool(body.ignore_eos), n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                              frequency_penalty=given(body.frequency_penalty, 0.0),
-                              presence_penalty=given(body.presence_penalty, 0.0),
-                              repetition_penalty=given(body.repetition_penalty, 1.0), min_p=given(body.min_p, 0.0),
-                              logit_bias=logit_bias(body.logit_bias), min_tokens=min_tokens,
-                              include_stop_str_in_output=bool(body.include_stop_str_in_output),
-                              structured_outputs=structured_outputs(body, limits))
-    except InvalidRequest as error:
-        raise APIError(str(error), param=grammar_field(body) if error.param == "structured_outputs" else error.param) \
-            from None
-
-
-def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's logit_bias, {"token id": bias}, as SamplingParams takes it: ids in ASCII decimal ("²" and "٣" are
-    digits to str.isdigit, not to OpenAI), at most 10 digits (int() of 5,000 digits raises), biases finite and
-    clamped to [-100, 100] as vLLM does. Ids past the vocabulary are refused by add_request."""
-    if not bias:
-        return None
-    if bad := [key for key in bias if not (key.isascii() and key.isdigit() and len(key) <= 10)]:
-        raise APIError(f"logit_bias keys must be token ids in decimal, got {shorten(repr(bad[:5]))}",
-                       param="logit_bias")
-    if bad := [value for value in bias.values() if not math.isfinite(value)]:
-        raise APIError(f"logit_bias values must be finite numbers, got {bad[:5]}", param="logit_bias")
-    return {int(key): min(100.0, max(-100.0, value)) for key, value in bias.items()}
-
-
 def client_key(headers: dict[str, str], peer: str | None, by_api_key: bool) -> str:
-    """Who sent a request, for fair turns and per-client bounds: what the server knows of it, never what the
-    request says of itself. `by_api_key` (the server takes several API keys, one per client): the key it was
-    let in with (as a hash: it is never kept); else the peer's address, which behind a proxy the server trusts
-    (--forwarded-allow-ips) is the address the proxy forwards (uvicorn puts it in the request's client). The
-    body's `user`, and a Bearer value where no key is checked, are the client's to choose: a client sending a
-    new one with each request would make itself a new client each time, and take every turn."""
+    """Who sent a request, for fair turns and per-client bounds.
+
+    The answer is what the server knows of the request, never what the request says of itself.
+    With `by_api_key`, the server takes several API keys, one per client. Then the client is the key the
+    request was let in with. It is kept as a hash, never as the key itself. Otherwise the client is the
+    peer's address. Behind a proxy the server trusts (--forwarded-allow-ips), that is the address the proxy
+    forwards (uvicorn puts it in the request's client). The body's `user` is the client's to choose, and so
+    is a Bearer value where no key is checked. A client sending a new one with each request would become a
+    new client each time, and take every turn."""
     scheme, _, key = headers.get("authorization", "").partition(" ")
     if by_api_key and scheme.lower() == "bearer" and key.strip():
         return "key:" + hashlib.sha256(key.strip().encode()).hexdigest()[:16]
@@ -198,33 +161,6 @@ def client_of(request: Request) -> str:
     """The request's client, as `client_key` names it."""
     serving: Serving = request.app.state.serving
     return client_key(request.headers, request.client.host if request.client else None, serving.clients_by_api_key)
-
-
-def grammar_field(body: SamplingBody) -> str:
-    """The field that asked for structured outputs: an error about the grammar names it."""
-    return "structured_outputs" if body.structured_outputs is not None else "response_format"
-
-
-def structured_outputs(body: SamplingBody, limits: Limits) -> StructuredOutputsParams | None:
-    """vLLM's structured_outputs extra, or OpenAI's response_format (json_object or json_schema), or None; both
-    is a 400 (one kind of structured output per request, as vLLM). A spec past the limits is a 400 before
-    anything parses it (`Serving.compile_grammar`, in the tokenizer thread)."""
-    response_format = body.response_format
-    if response_format is not None and response_format.type == "text":
-        response_format = None
-    if body.structured_outputs is not None and response_format is not None:
-        raise APIError("give one of response_format and structured_outputs, not both", param="structured_outputs")
-    if body.structured_outputs is not None:
-        spec = body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
-    elif response_format is None:
-        return None
-    elif response_format.type == "json_object":
-        spec = dict(json_object=True)
-    elif response_format.json_schema is None or response_format.json_schema.schema_ is None:
-        raise APIError("response_format of type json_schema needs json_schema.schema", param="response_format")
-    else:
-        spec = dict(json=response_format.json_schema.schema_)
-    return StructuredOutputsParams(**spec)
 
 
 class Serving:
@@ -279,9 +215,10 @@ class Serving:
                            param="model", status=404, code="model_not_found")
 
     def admit(self, num_choices: int, client: str = "") -> None:
-        """Take a slot of max_in_flight per choice (prompts x n), and of the client's own bound, or refuse at
-        once (429), before any tokenizing: a burst costs no more than reading its bodies. A request past either
-        bound on its own could never be served: 400."""
+        """Take a slot of max_in_flight per choice (prompts x n), and one of the client's own bound.
+
+        Otherwise refuse at once (429), before any tokenizing. So a burst costs no more than reading its
+        bodies. A request past either bound on its own could never be served: 400."""
         if self.async_llm.error is not None:
             raise APIError("the engine loop has died; the server cannot serve", status=503)
         per_request, limit = self.limits.max_completions_per_request, self.max_in_flight
@@ -313,9 +250,10 @@ class Serving:
             del self.in_flight_by_client[client]
 
     def check_request_bytes(self, texts: list[str], field: str) -> None:
-        """On the event loop, before any tokenizing: a request's texts together are at most
-        max_request_prompt_bytes, else a 400 naming `field` (a lone surrogate is counted, and
-        refused by `tokenize`)."""
+        """On the event loop, before any tokenizing: check the size of a request's texts.
+
+        Together they are at most max_request_prompt_bytes, else a 400 names `field`.
+        A lone surrogate is counted here, and refused by `tokenize`."""
         num_bytes = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
         if num_bytes > self.max_request_prompt_bytes:
             raise APIError(f"{field} has {num_bytes} bytes of text in all, more than this server tokenizes for one "
@@ -340,8 +278,9 @@ class Serving:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, token_ids: list[int]) -> str | None:
-        """In the tokenizer thread: a token-id prompt as echo shows it (special tokens and all, as vLLM);
-        None without a tokenizer, "" for ids outside the vocabulary (add_request refuses them)."""
+        """In the tokenizer thread: a token-id prompt as echo shows it (special tokens and all, as vLLM).
+
+        None without a tokenizer. "" for ids outside the vocabulary (add_request refuses them)."""
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode(token_ids) if all(0 <= t < self.vocab_size for t in token_ids) else ""
@@ -360,11 +299,14 @@ class Serving:
             raise APIError(f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
 
     async def compile_grammar(self, spec: StructuredOutputsParams, field: str, client: str = "") -> None:
-        """Check spec's bounds in the tokenizer thread and wait for its compile (the engine's GrammarCompiler, in a
-        worker process, whose cache add_request then hits), at most max_grammar_compile_seconds once the workers
-        have started. A spec past the bounds, one xgrammar rejects, one that crashes the worker, fails to compile
-        (`a{2147483648}` parses, lazily) or allows no output (`root ::= root`), or one past the time budget, is a
-        400 naming `field`, for this request alone, before it reaches the engine."""
+        """Check spec's bounds in the tokenizer thread, then wait for its compile.
+
+        The engine's GrammarCompiler compiles it in a worker process, and add_request then hits its cache.
+        The wait is at most max_grammar_compile_seconds, counted once the workers have started.
+        Some specs fail: one past the bounds, one xgrammar rejects, or one that crashes the worker.
+        So does one that fails to compile (`a{2147483648}` parses, lazily), or allows no output
+        (`root ::= root`). So does one past the time budget. Each is a 400 naming `field`.
+        It fails this request alone, before the request reaches the engine."""
         seconds = self.limits.max_grammar_compile_seconds
         started = self.grammars.start_workers()  # ahead of the compile, in each compile thread
         try:
@@ -391,8 +333,9 @@ class Serving:
 
     def fit_to_context(self, params: SamplingParams, max_tokens: int | None, num_prompt_tokens: int,
                        field: str) -> SamplingParams:
-        """params with max_tokens settled (None: up to the end of the context); a 400 if the prompt
-        and max_tokens do not fit in max_model_len (vLLM's "context length exceeded")."""
+        """params with max_tokens settled (None: up to the end of the context).
+
+        A 400 if the prompt and max_tokens do not fit in max_model_len (vLLM's "context length exceeded")."""
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise APIError(f"context length exceeded: the {field} has {num_prompt_tokens} tokens, which leaves no "

@@ -1,13 +1,14 @@
 """A completions or chat request from its checked body to its response, whole or streamed, and what
 happens when its client leaves.
 
-`generate_response` takes the request's slots (a `Generation`, or 429 at once), tokenizes its
-prompts in the tokenizer thread, submits its choices to the AsyncLLM and answers: one JSON response
-(`whole_response`), or server-sent events (`EventStream`, one chunk per delta). A client that leaves
-is noticed on the event loop, streaming or not (`EventStream`, `until_disconnected`), and closes the
-generation: its engine requests are aborted, and their KV blocks are free before the next step. A
-client that stays but stops reading a stream is cut off after Limits.write_timeout seconds without
-progress; its slots of the in-flight bound came back already, as the engine finished its requests.
+`generate_response` takes the request's slots (a `Generation`, or 429 at once). It tokenizes the
+prompts in the tokenizer thread and submits the choices to the AsyncLLM. Then it answers with one JSON
+response (`whole_response`), or with server-sent events (`EventStream`, one chunk per delta).
+
+A client that leaves is noticed on the event loop, streaming or not (`EventStream`, `until_disconnected`).
+That closes the generation: its engine requests are aborted, so their KV blocks are free before the
+next step. A client that stays but stops reading a stream is cut off after Limits.write_timeout seconds
+without progress. Its slots of the in-flight bound came back already, as the engine finished its requests.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from nanoserve import RequestDelta, RequestOutput, SamplingParams
 from nanoserve.entrypoints.openai.protocol import ENGINE_ERRORS, APIError, SamplingBody, engine_error
+from nanoserve.entrypoints.openai.sampling_body import grammar_field, sampling_params
 from nanoserve.entrypoints.openai.serving_engine import (
     API,
     Formatter,
@@ -30,19 +32,19 @@ from nanoserve.entrypoints.openai.serving_engine import (
     Serving,
     Shown,
     client_of,
-    grammar_field,
-    sampling_params,
 )
 
 logger = logging.getLogger(__name__)
 
 
 class Generation:
-    """The engine requests of one HTTP request (n per prompt, one per choice), submitted and read back
-    together through one RequestStream. It takes its choices' slots of the in-flight bound at creation
-    and gives each back when the engine has finished its request (its final reply, read or not: a
-    client that does not read holds no slot past that), or at `close()` if never submitted. Its
-    handler calls close() however the request ends; close() aborts the engine requests not finished."""
+    """The engine requests of one HTTP request (n per prompt, one per choice).
+
+    They are submitted and read back together through one RequestStream. A Generation takes its choices'
+    slots of the in-flight bound at creation. It gives each slot back when the engine has finished its
+    request, with its final reply read or not. So a client that does not read holds no slot past that.
+    If the requests were never submitted, the slots come back at `close()`.
+    The handler calls close() however the request ends. close() aborts the engine requests not finished."""
 
     def __init__(self, serving: Serving, num_choices: int, grammar_field: str = "structured_outputs",
                  client: str = "") -> None:
@@ -55,8 +57,9 @@ class Generation:
         self.holding: set[str] = set()   # submitted requests whose slots this generation still holds
 
     async def submit(self, prompts: list[tuple[list[int], SamplingParams]], arrival_time: float) -> None:
-        """Hand every prompt's n requests to the engine loop, sample i seeded seed + i (as vLLM; choice
-        p * n + i); raises the first refusal (add_request's 400)."""
+        """Hand every prompt's n requests to the engine loop; raise the first refusal (add_request's 400).
+
+        Sample i is seeded seed + i (as vLLM; choice p * n + i)."""
         requests = [(token_ids, params.for_sample(i)) for token_ids, params in prompts for i in range(params.n)]
         self.index = {f"{self.id}-{index}": index for index in range(len(requests))}
         assert len(requests) == self.num_choices, "admit took one slot per request"
@@ -105,8 +108,9 @@ async def generate_response(serving: Serving, request: Request, api: API, body: 
                             prepare: Callable[[], list[Prompt]], arrival_time: float,
                             answer: Answer | None = None) -> Response:
     """Serve a completions or chat request whose prompts `prepare` tokenizes (in the tokenizer thread).
-    `answer`, if given, makes the response from the submitted generation instead (another API's shape over
-    the same choices: serving_responses.py); a stream it answers is an EventStream."""
+
+    `answer`, if given, makes the response from the submitted generation instead. It gives another API's
+    shape over the same choices (serving_responses.py). A stream it answers is an EventStream."""
     serving.check_model(body.model)
     max_tokens = api.max_tokens(body)
     params = sampling_params(body, api, max_tokens, serving.limits)
@@ -148,9 +152,11 @@ async def whole_response(generation: Generation, api: Formatter, head: dict) -> 
 
 
 async def json_body(api: Formatter, head: dict, shown: dict[int, Shown], usage: dict) -> AsyncIterator[str]:
-    """A whole response's JSON, one choice at a time, yielding to the event loop between them: built
-    and serialized in one go, 128 choices with 20 logprobs each (46 MB) held every other client, and
-    /health, for 4.85 s. (A worker thread would not help: building and json.dumps hold the GIL.)"""
+    """A whole response's JSON, one choice at a time, yielding to the event loop between them.
+
+    Built and serialized in one go, 128 choices with 20 logprobs each (46 MB) held the event loop for 4.85 s.
+    Every other client waited, and /health too. A worker thread would not help: building and json.dumps
+    hold the GIL."""
     yield json.dumps(head)[:-1] + ', "choices": ['
     for i, (index, choice_shown) in enumerate(shown.items()):
         yield ("," if i else "") + json.dumps(api.choice(index, choice_shown))
@@ -160,8 +166,9 @@ async def json_body(api: Formatter, head: dict, shown: dict[int, Shown], usage: 
 
 async def event_stream(generation: Generation, api: Formatter, head: dict,
                        include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per delta with text or logprobs, the usage if asked, then [DONE]. A
-    failure mid-stream is an error event (OpenAI's error body) before [DONE]: the 200 was sent long ago."""
+    """Server-sent events: a chunk per delta with text or logprobs, the usage if asked, then [DONE].
+
+    A failure mid-stream is an error event (OpenAI's error body) before [DONE]. The 200 was sent long ago."""
     try:
         for index in range(generation.num_choices):
             if (choice := api.first_chunk_choice(index)) is not None:
@@ -191,13 +198,15 @@ class WriteTimeout(Exception):
 
 
 class EventStream(StreamingResponse):
-    """A streamed request's response. A client disconnect reaches the engine because Starlette
-    cancels the response: its listen_for_disconnect task sees http.disconnect and cancels the task
-    that runs the event_stream generator. Whenever that happens (even before the generator has
-    started, when its own `finally` would never run), __call__'s `finally` closes the generation,
-    which aborts its engine requests. A client that stays connected but does not read makes `send`
-    wait (uvicorn's flow control, once the socket's buffers are full): after write_timeout seconds of
-    that, the response ends unfinished and uvicorn closes the connection."""
+    """A streamed request's response.
+
+    A client disconnect reaches the engine because Starlette cancels the response. Its
+    listen_for_disconnect task sees http.disconnect, and cancels the task that runs the event_stream
+    generator. Whenever that happens, __call__'s `finally` closes the generation, which aborts its engine
+    requests. That holds even before the generator has started, when its own `finally` would never run.
+    A client that stays connected but does not read makes `send` wait. That is uvicorn's flow control,
+    once the socket's buffers are full. After write_timeout seconds of that, the response ends unfinished
+    and uvicorn closes the connection."""
 
     def __init__(self, generation: Generation, api: Formatter, head: dict, include_usage: bool,
                  events: AsyncIterator[str] | None = None) -> None:  # events: another API's (serving_responses.py)
@@ -221,9 +230,11 @@ class EventStream(StreamingResponse):
 
 
 async def until_disconnected(request: Request, work: Awaitable[Response]) -> Response:
-    """`work`'s response, unless the client disconnects first: then `work` is cancelled and the
-    handler's generation.close() aborts its engine requests, so a client that gave up costs no more
-    tokens. (Starlette does not cancel a handler whose client left; a stream, see EventStream.)"""
+    """`work`'s response, unless the client disconnects first.
+
+    Then `work` is cancelled, and the handler's generation.close() aborts its engine requests. So a client
+    that gave up costs no more tokens. Starlette does not cancel a handler whose client left. For a stream,
+    see EventStream."""
     task, gone = asyncio.ensure_future(work), asyncio.ensure_future(wait_for_disconnect(request))
     try:
         done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
