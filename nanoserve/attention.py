@@ -140,8 +140,8 @@ def plan_attention(batch: Batch, block_size: int, dtype: torch.dtype) -> Attenti
         groups.append(DecodeGroup(index["rows"], table, bias[:, None, None]))  # bias as [R, 1, 1, L]
     prefills = []
     for b in np.flatnonzero((q_lens > 1) & (k_lens > 0)).tolist():
-        # with seqlen_q >= seqlen_k the first seqlen_q - seqlen_k queries see no key (output 0) and
-        # the others form a square, where SDPA's top-left causal mask is the bottom-right one
+        # With seqlen_q >= seqlen_k, the first seqlen_q - seqlen_k queries see no key (output 0).
+        # The others form a square, where SDPA's top-left causal mask is the bottom-right one.
         seqlen_k, end = int(k_lens[b]), int(starts[b + 1])
         start = max(int(starts[b]), end - seqlen_k)
         mask = None if end - start == seqlen_k else causal_mask(end - start, seqlen_k, device)
@@ -171,8 +171,8 @@ def attend_decode_group(q_group: Tensor, k_cache: Tensor, v_cache: Tensor, group
     keys = gather_blocks(k_cache, group.block_table)  # [R, num_blocks * block_size, Hkv, D]
     values = gather_blocks(v_cache, group.block_table)
     queries, bias = q_group[:, None], group.bias  # queries as [R, 1, H, D]
-    if q_group.device.type == "cpu":  # there SDPA took 1.5-7x float32's time in bfloat16 and float16 at one query
-        # per request (docs/performance.md, "Where a decode step's time goes"): the copies it reads are upcast
+    if q_group.device.type == "cpu":  # upcast the copies it reads: in bfloat16 and float16 at one query
+        # per request, SDPA took 1.5-7x float32's time there (docs/performance.md, "Where a decode step's time goes")
         queries, keys, values, bias = queries.float(), keys.float(), values.float(), bias.float()
     return attend(queries, keys, values, scale, bias)[:, 0].to(q_group.dtype)
 

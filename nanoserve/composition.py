@@ -1,14 +1,14 @@
-"""The composition root: the one place that names every extension and builds an engine with those its config
-asks for. The core (engine.py and what it uses) runs alone with every seam at its default (seams.py); each extension
-enters at one seam (docs/architecture.md):
+"""The composition root: the one place that names every extension. It builds an engine with those its config
+asks for. The core (engine.py and what it uses) runs alone, with every seam at its default (seams.py).
+Each extension enters at one seam (docs/architecture.md):
 - the step executor: extensions/compilation.py and, on CUDA, extensions/cuda_graphs.py (enforce_eager=False);
 - the logits processor: extensions/logits_processors.py (penalties, min_p, logit_bias, min_tokens, grammar masks);
 - the grammar compiler: extensions/structured_outputs.py;
 - the drafter: extensions/spec_decode.py's n-gram drafter (speculative_config);
 - the weight transform: extensions/quantization.py (quantization="int8");
 - the tensor-parallel runner: extensions/parallel.py (tensor_parallel_size > 1).
-Every front end (LLM, AsyncLLM, the CLI, the HTTP server) builds its engine here: `build_engine(config)`, or
-`nanoserve.LLMEngine(config)`, which is the same.
+Every front end (LLM, AsyncLLM, the CLI, the HTTP server) builds its engine here. It calls
+`build_engine(config)`, or `nanoserve.LLMEngine(config)`, which is the same.
 """
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ from nanoserve.seams import DecodeRunner, EagerSteps, Runner, Seams, no_logits_p
 
 @dataclass(frozen=True)
 class CompiledSteps:
-    """The step executor for enforce_eager=False: the model's layers compiled (compilation.py), and on CUDA with
-    the flash backend, decode steps replaying CUDA graphs (cuda_graphs.py). Each falls back alone, logged."""
+    """The step executor for enforce_eager=False. The model's layers are compiled (compilation.py).
+    On CUDA with the flash backend, decode steps replay CUDA graphs (cuda_graphs.py).
+    Each falls back alone, logged."""
     config: Config
 
     def compile(self, runner: Runner) -> bool:
@@ -58,8 +59,8 @@ class CompiledSteps:
 
 
 def build_seams(config: Config) -> Seams:
-    """The seams filled with the extensions `config` asks for; the logits processors and grammars always, as any
-    request may ask for them. One asked for but not importable is a ValueError naming it."""
+    """The seams filled with the extensions `config` asks for. The logits processors and grammars are always
+    there, as any request may ask for them. One asked for but not importable is a ValueError naming it."""
     spec, quantization = config.speculative_config, config.quantization
     group_size = (config.quantization_config or {}).get("group_size", 32)  # int4's
     asked = {"compilation": not config.enforce_eager and compile_model, "spec_decode": spec is not None and Speculator,
@@ -77,8 +78,8 @@ def build_seams(config: Config) -> Seams:
 
 
 class LLMEngine(nanoserve.engine.LLMEngine):
-    """The engine with every extension its config asks for: the core's (engine.py), its seams filled by
-    `build_seams`. What `nanoserve.LLMEngine(config)` and every front end build."""
+    """The engine with every extension its config asks for. It is the core's (engine.py), with its seams
+    filled by `build_seams`. `nanoserve.LLMEngine(config)` and every front end build it."""
 
     def __init__(self, config: Config) -> None:
         super().__init__(config, build_seams(config))

@@ -1,13 +1,13 @@
 """Incremental detokenization: one request's output text, grown one token at a time for streaming.
 
-Invariant: every delta is text that will never change, so the deltas of a request concatenate to
+Invariant: every delta is text that will never change. So the deltas of a request concatenate to
 its final `RequestOutput.text`. Two kinds of text are held back until they are settled:
-- a character whose bytes are split across tokens (byte-level BPE): `DecodeStream` returns
-  nothing until the character is complete, so a stream never shows a half character as U+FFFD;
-- the end of the text that could be the beginning of a stop string: it may yet be cut off.
-How long that end is comes from Knuth-Morris-Pratt's automaton: for each stop string, the length of
-its longest beginning that ends the text (`matched`) is updated from the new characters alone, so a
-token costs the same however long the text and the stop strings are.
+- A character whose bytes are split across tokens (byte-level BPE). `DecodeStream` returns nothing
+  until the character is complete. So a stream never shows a half character as U+FFFD.
+- The end of the text that could be the beginning of a stop string. It may yet be cut off.
+Knuth-Morris-Pratt's automaton says how long that end is. For each stop string, `matched` holds the
+length of its longest beginning that ends the text. It is updated from the new characters alone.
+So a token costs the same however long the text and the stop strings are.
 """
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ class Detokenizer:
         return self.stopped
 
     def finish(self, output_token_ids: list[int]) -> None:
-        """At the end, without a stop string: the whole output decoded at once, incomplete
-        characters included (as U+FFFD), exactly as `tokenizer.decode` writes it."""
+        """At the end, without a stop string, decode the whole output at once, exactly as
+        `tokenizer.decode` writes it. Incomplete characters are included, as U+FFFD."""
         if not self.stopped:
             self.text = self.tokenizer.decode(output_token_ids, skip_special_tokens=True)
 
@@ -60,8 +60,8 @@ class Detokenizer:
 
 
 def advance(s: str, table: list[int], k: int, new: str) -> int:
-    """s[:k] ends a text; the length of s's longest beginning that ends the text + new (k <= len(s): all of s
-    ends it when the stop string came before min_tokens, and did not count)."""
+    """Given that s[:k] ends a text, the length of s's longest beginning that ends the text + new.
+    k <= len(s). k is all of s when the stop string came before min_tokens, and did not count."""
     for char in new:
         # s[:k] cannot grow by char (or is all of s): fall back to its longest end that begins s
         while k == len(s) or k and s[k] != char:
@@ -71,8 +71,8 @@ def advance(s: str, table: list[int], k: int, new: str) -> int:
 
 
 def kmp_table(s: str) -> list[int]:
-    """table[j]: the length of the longest beginning of s that ends s[:j + 1] and is shorter than it
-    (Knuth-Morris-Pratt's failure function), built by running the automaton over s itself."""
+    """Knuth-Morris-Pratt's failure function. table[j] is the length of the longest beginning of s that
+    ends s[:j + 1] and is shorter than it. It is built by running the automaton over s itself."""
     table = [0] * len(s)
     for j in range(1, len(s)):
         table[j] = advance(s, table, table[j - 1], s[j])

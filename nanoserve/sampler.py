@@ -60,8 +60,8 @@ def sample(logits: Tensor, params: list[SamplingParams], num_generated: list[int
                                device=logits.device)                           # [S]
     probs = apply_top_k_top_p(apply_min_p(torch.softmax(logits / temperature[:, None], dim=-1), params), params)
     # Gumbel-style draw: argmax(probs / Exp(1) noise) is a sample from probs. A seeded request's
-    # noise for its n-th token comes from a generator seeded by (seed, n) alone, so its tokens are
-    # the same in any batch, and after a preemption; the others share the global generator.
+    # noise for its n-th token comes from a generator seeded by (seed, n) alone. So its tokens are
+    # the same in any batch, and after a preemption. The others share the global generator.
     noise = torch.empty_like(probs).exponential_()                              # [S, vocab]
     for row, (p, n) in enumerate(zip(params, num_generated)):
         if p.seed is not None:
@@ -103,10 +103,10 @@ def apply_top_k_top_p(probs: Tensor, params: list[SamplingParams]) -> Tensor:
     rank = torch.arange(vocab, device=probs.device)[None, :]
     k = torch.tensor(top_k, device=probs.device)[:, None]
     p = torch.tensor(top_p, device=probs.device)[:, None]
-    # Keep a token if it is among the top k and the mass before it is still below top_p of the top k's
-    # mass (top-p applies to the top k renormalized, as in vLLM and transformers). The most likely token
-    # is kept by name: a tiny top_p (5e-324) is 0 in float32, and "mass before < 0" would keep nothing,
-    # leaving an all-zero row whose argmax is token 0.
+    # Keep a token if it is among the top k, and the mass before it is still below top_p of the top k's
+    # mass. (Top-p applies to the top k renormalized, as in vLLM and transformers.) The most likely token
+    # is kept by name. A tiny top_p (5e-324) is 0 in float32, and "mass before < 0" would keep nothing.
+    # That would leave an all-zero row, whose argmax is token 0.
     sorted_probs = sorted_probs * (rank < k)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     keep = (mass_before < p * sorted_probs.sum(dim=-1, keepdim=True)) | (rank == 0)

@@ -126,7 +126,7 @@ class Scheduler:
             if budget == 0:
                 break
             # Make room: preempt the newest running requests until seq can write at least one more
-            # token, or until seq itself was preempted (it was the newest left: no one after it runs).
+            # token. Stop if seq itself was preempted: it was the newest left, so no one after it runs.
             while self.block_manager.num_free_slots(seq) == 0 and seq not in preempted:
                 preempted.append(next(reversed(self.running)))
                 self.preempt(preempted[-1])

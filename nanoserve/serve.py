@@ -1,5 +1,5 @@
-"""`python -m nanoserve.serve MODEL [options]`, as before the server became a package: the server is
-nanoserve/entrypoints/openai/ (start with api_server.py), also started as `nanoserve serve`."""
+"""`python -m nanoserve.serve MODEL [options]`, as before the server became a package.
+The server is nanoserve/entrypoints/openai/ (start with api_server.py). `nanoserve serve` also starts it."""
 from nanoserve.entrypoints.openai.api_server import ServerThread, build_app, main
 from nanoserve.entrypoints.openai.protocol import Limits
 

@@ -1,7 +1,7 @@
-"""The online load over HTTP: `run_http` sends `run_online`'s Poisson arrivals (online.py) to a
-running OpenAI-compatible server, one thread per request, and `stream_completion` times one
-streamed completion's SSE chunks as the client sees them: TTFT, and the gaps between chunks (ITL).
-No engine runs in this process; only what the server sends back is measured."""
+"""The online load over HTTP. `run_http` sends `run_online`'s Poisson arrivals (online.py) to a
+running OpenAI-compatible server, one thread per request. `stream_completion` times one streamed
+completion's SSE chunks as the client sees them: TTFT, and the gaps between chunks (ITL).
+No engine runs in this process. Only what the server sends back is measured."""
 from __future__ import annotations
 
 import json

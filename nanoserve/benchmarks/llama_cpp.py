@@ -1,7 +1,7 @@
-"""llama.cpp as a peer: its own `llama-batched-bench` runs B sequences of a fixed prompt and a fixed
-number of generated tokens (`run_llama_cpp`), and nanoserve and transformers' `generate` run the
-same shape (`run_nanoserve_batch`, `run_transformers_batch`); `peer_table` sets the three side by
-side per batch size: milliseconds per decode step and total tokens per second."""
+"""llama.cpp as a peer. Its own `llama-batched-bench` runs B sequences of a fixed prompt and a fixed
+number of generated tokens (`run_llama_cpp`). nanoserve and transformers' `generate` run the same shape
+(`run_nanoserve_batch`, `run_transformers_batch`). `peer_table` sets the three side by side per batch
+size, in milliseconds per decode step and total tokens per second."""
 from __future__ import annotations
 
 import json
@@ -26,16 +26,16 @@ class PeerRow:
 
 
 def parse_batched_bench(output: str) -> list[PeerRow]:
-    """Rows of `llama-batched-bench --output-format jsonl`: t_tg is the time of its tg decode steps
-    after the prompts, speed is (B * pp + B * tg) / (t_pp + t_tg)."""
+    """Rows of `llama-batched-bench --output-format jsonl`. t_tg is the time of its tg decode steps
+    after the prompts. speed is (B * pp + B * tg) / (t_pp + t_tg)."""
     rows = [json.loads(line) for line in output.splitlines() if line.startswith('{"n_kv_max"')]
     return [PeerRow("llama.cpp", r["pl"], 1000 * r["t_tg"] / r["tg"], r["speed"]) for r in rows]
 
 
 def run_llama_cpp(binary: str, gguf: str, batch_sizes: list[int], prompt_len: int, gen_len: int,
                   threads: int) -> list[PeerRow]:
-    """llama.cpp's own batched benchmark: B independent sequences (prompts not shared), each with
-    `prompt_len` random prompt tokens, then `gen_len` decode steps of all B together."""
+    """llama.cpp's own batched benchmark: B independent sequences (prompts not shared).
+    Each has `prompt_len` random prompt tokens, then `gen_len` decode steps of all B together."""
     found = shutil.which(binary)
     if found is None:
         raise SystemExit(f"llama-batched-bench not found or not executable: {binary!r} (docs/performance.md's "
@@ -53,8 +53,8 @@ def run_llama_cpp(binary: str, gguf: str, batch_sizes: list[int], prompt_len: in
 def run_nanoserve_batch(path: str, batch_size: int, prompt_len: int, gen_len: int, dtype: str,
                         vocab_size: int, seed: int, enforce_eager: bool = True,
                         quantization: str | None = None) -> PeerRow:
-    """The same shape on nanoserve: B requests of random prompt ids, greedy, EOS ignored, all at once;
-    with `quantization` ("int8"), its weights so (set beside a Q8_0 GGUF)."""
+    """The same shape on nanoserve: B requests of random prompt ids, greedy, EOS ignored, all at once.
+    With `quantization` ("int8"), its weights are int8, to set beside a Q8_0 GGUF."""
     workload = make_workload(batch_size, (prompt_len, prompt_len), (gen_len, gen_len), vocab_size, seed)
     max_model_len = whole_blocks(prompt_len + gen_len, 16)
     result = run_nanoserve(path, workload, "continuous", block_size=16, max_num_seqs=batch_size, dtype=dtype,
@@ -66,16 +66,16 @@ def run_nanoserve_batch(path: str, batch_size: int, prompt_len: int, gen_len: in
 
 def run_transformers_batch(path: str, batch_size: int, prompt_len: int, gen_len: int, dtype: str,
                            vocab_size: int, seed: int) -> PeerRow:
-    """The same shape on transformers' `generate` (run_hf_generate): one static batch with no padding,
-    every prompt being prompt_len long; a decode step is the time between two generated tokens."""
+    """The same shape on transformers' `generate` (run_hf_generate). It is one static batch with no padding,
+    every prompt being prompt_len long. A decode step is the time between two generated tokens."""
     workload = make_workload(batch_size, (prompt_len, prompt_len), (gen_len, gen_len), vocab_size, seed)
     result = run_hf_generate(path, workload, dtype)
     return PeerRow("transformers", batch_size, 1000 * statistics.mean(result.tpot), result.total_tok_s)
 
 
 def peer_table(rows: list[PeerRow]) -> str:
-    """One line per batch size, the engines side by side (in the order of `rows`), and nanoserve's
-    time per output token over llama.cpp's; "n/a" where an engine has no row for that B."""
+    """One line per batch size, with the engines side by side (in the order of `rows`). It ends with
+    nanoserve's time per output token over llama.cpp's. "n/a" marks an engine with no row for that B."""
     engines = list(dict.fromkeys(r.engine for r in rows))
     by_key = {(r.engine, r.batch_size): r for r in rows}
     lines = ["| B | " + " | ".join(f"{e} ms/token" for e in engines) + " | "
@@ -94,7 +94,7 @@ def compare_llama_cpp(binary: str, gguf: str, path: str, batch_sizes: list[int],
                       dtype: str, vocab_size: int, seed: int, with_transformers: bool = True,
                       enforce_eager: bool = True, quantization: str | None = None) -> str:
     """llama.cpp, nanoserve and transformers at each batch size. llama.cpp runs in this process's environment
-    as the user set it (its OpenMP reads OMP_* as torch's does), with torch's thread count."""
+    as the user set it, with torch's thread count. (Its OpenMP reads OMP_* as torch's does.)"""
     rows = run_llama_cpp(binary, gguf, batch_sizes, prompt_len, gen_len, torch.get_num_threads())
     rows += [run_nanoserve_batch(path, b, prompt_len, gen_len, dtype, vocab_size, seed, enforce_eager, quantization)
              for b in batch_sizes]

@@ -1,8 +1,8 @@
-"""Online serving in one process: requests arrive as a Poisson process (`poisson_arrivals`) and join
-the running engine, for continuous and for static batching at each request rate (`run_online`).
-Each request's TTFT, TPOT and latency count from its arrival; `OnlineRun.goodput` counts the
-requests per second that meet every SLO, as vLLM's `bench serve --goodput` does, and
-`online_report` finds the rate where each scheduler's goodput peaks."""
+"""Online serving in one process. Requests arrive as a Poisson process (`poisson_arrivals`) and join
+the running engine. `run_online` does that for continuous and for static batching, at each request rate.
+Each request's TTFT, TPOT and latency count from its arrival. `OnlineRun.goodput` counts the requests
+per second that meet every SLO, as vLLM's `bench serve --goodput` does. `online_report` finds the rate
+where each scheduler's goodput peaks."""
 from __future__ import annotations
 
 import argparse
@@ -34,8 +34,8 @@ class OnlineRun:
     seconds: float        # from the first arrival to the last request's end
 
     def goodput(self, slo: dict[str, float]) -> float:
-        """vLLM's `bench serve --goodput`: completed requests per second that meet every SLO
-        (milliseconds; keys ttft, tpot, e2el, where e2el is the latency)."""
+        """vLLM's `bench serve --goodput`: completed requests per second that meet every SLO.
+        SLOs are in milliseconds, with keys ttft, tpot and e2el (the latency)."""
         measured = {"ttft": self.ttft, "tpot": self.tpot, "e2el": self.latency}
         good = sum(all(measured[key][i] * 1000 <= limit for key, limit in slo.items()) for i in range(len(self.ttft)))
         return good / self.seconds
@@ -54,8 +54,8 @@ def parse_slo(pair: str) -> tuple[str, float]:
 
 
 def run_online(path: str, workload: list[Request], rates: list[float], seed: int, config: dict) -> list[OnlineRun]:
-    """Requests arrive as a Poisson process at each rate and join the running engine; each
-    scheduler at each rate. TTFT and latency count from a request's arrival (`arrival_time`), even
+    """Requests arrive as a Poisson process at each rate and join the running engine.
+    It runs each scheduler at each rate. TTFT and latency count from a request's arrival (`arrival_time`), even
     when it arrived during a step."""
     runs = []
     for scheduling in ("continuous", "static"):
@@ -84,8 +84,8 @@ def run_online(path: str, workload: list[Request], rates: list[float], seed: int
 
 
 def online_report(runs: list[OnlineRun], slo: dict[str, float]) -> str:
-    """The table, then where each scheduler's goodput peaks: past that rate it saturates (requests
-    queue and miss their SLOs), and the ratio of the two at static batching's peak rate."""
+    """The table, then where each scheduler's goodput peaks. Past that rate it saturates: requests queue
+    and miss their SLOs. Last comes the ratio of the two at static batching's peak rate."""
     slos = ", ".join(f"{key} <= {limit:g} ms" for key, limit in slo.items())
     lines = ["| scheduling | rate (req/s) | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
              f"| goodput (req/s; {slos}) | seconds |", "|---|---|---|---|---|---|"]

@@ -1,5 +1,5 @@
-"""The decode profile (`--profile-decode N`): where one decode step of N requests spends its time,
-attention against the rest, and the matmuls', SDPA's and the KV gather's shares."""
+"""The decode profile (`--profile-decode N`): where one decode step of N requests spends its time.
+It sets attention against the rest, and gives the matmuls', SDPA's and the KV gather's shares."""
 from __future__ import annotations
 
 import random
@@ -16,10 +16,10 @@ from nanoserve import LLM, SamplingParams
 def profile_decode(path: str, num_requests: int, vocab_size: int, config: dict) -> str:
     """Where one decode step's time goes: `num_requests` requests past their prompts (100-200
     tokens each). Attention (writing K/V, gathering blocks, SDPA) is timed around every layer's call of
-    the attention backend over 5 steps (the median step is reported); op shares come from
-    torch.profiler on one more. The host's share (schedule, build_batch, sample, update: everything but
-    the forward) is timed around each over the same steps; the ops that Python called in one step are
-    counted, and the step's time outside them is Python's and the dispatcher's."""
+    the attention backend, over 5 steps. The median step is reported. Op shares come from torch.profiler
+    on one more step. The host's share is everything but the forward: schedule, build_batch, sample and
+    update. Each is timed over the same steps. The ops that Python called in one step are counted.
+    The step's time outside them is Python's and the dispatcher's."""
     # room for all: each request reaches at most 232 tokens, 15 blocks of 16; the cache must also
     # hold one max_model_len request, so that is 256 here, not the model's (8192 for SmolLM2)
     config = config | dict(num_kvcache_blocks=num_requests * 18 + 1, max_model_len=256)

@@ -1,7 +1,8 @@
-"""The roofline: how fast a step could run on this machine. `measure_machine` times the two limits,
-a GEMM's FLOP/s (π) and a large copy's bytes/s (β); `ModelShape` reads what a step's FLOPs and
-bytes depend on from config.json; `step_limit` takes a step's time as max(FLOPs / π, bytes / β).
-`describe_cpu` names the CPU behind the numbers: the first line a run prints."""
+"""The roofline: how fast a step could run on this machine.
+- `measure_machine` times the two limits: a GEMM's FLOP/s (π) and a large copy's bytes/s (β).
+- `ModelShape` reads what a step's FLOPs and bytes depend on from config.json.
+- `step_limit` takes a step's time as max(FLOPs / π, bytes / β).
+- `describe_cpu` names the CPU behind the numbers: the first line a run prints."""
 from __future__ import annotations
 
 import os
@@ -84,9 +85,12 @@ def step_limit(step: Step, m: ModelShape, machine: Machine) -> tuple[float, bool
 
 
 def describe_cpu() -> str:
-    """Which CPU a run measured, for every table: its model name, the ISA extensions that pick torch's and
-    oneDNN's kernels (as the hardware reports them), torch's kernel level (ATEN_CPU_CAPABILITY can lower
-    it), whether oneDNN runs bfloat16 here, the threads, and any env var that holds an ISA back."""
+    """Which CPU a run measured, for every table. It names:
+    - its model name;
+    - the ISA extensions that pick torch's and oneDNN's kernels, as the hardware reports them;
+    - torch's kernel level (ATEN_CPU_CAPABILITY can lower it);
+    - whether oneDNN runs bfloat16 here;
+    - the threads, and any env var that holds an ISA back."""
     model = platform.processor() or platform.machine()
     if os.path.isfile("/proc/cpuinfo"):  # Linux: the marketing name ("AMD EPYC 9B14")
         with open("/proc/cpuinfo") as f:

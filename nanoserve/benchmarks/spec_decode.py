@@ -1,7 +1,10 @@
-"""Speculative decoding by n-gram prompt lookup (spec_decode.py), measured: one request that repeats a passage with an
-edit, one that repeats nothing, and 48 requests at once, with and without speculation, beside transformers' own
-prompt lookup (`generate(prompt_lookup_num_tokens=k)`) on the same prompt. Greedy throughout; the script checks
-that every engine's tokens are the same.
+"""Speculative decoding by n-gram prompt lookup (spec_decode.py), measured. It runs three cases, with and
+without speculation:
+- one request that repeats a passage with an edit;
+- one that repeats nothing;
+- 48 requests at once.
+Beside them runs transformers' own prompt lookup (`generate(prompt_lookup_num_tokens=k)`) on the same prompt.
+It is greedy throughout. The script checks that every engine's tokens are the same.
 
     python scripts/make_smollm2.py build/smollm2
     python -m nanoserve.benchmarks.spec_decode --model build/smollm2 [--k 4] [--threads 2] [--repeats 3]
@@ -98,8 +101,8 @@ def single_request(args: argparse.Namespace, name: str, chat: str) -> list[str]:
 
 
 def many_requests(args: argparse.Namespace) -> list[str]:
-    """48 edit requests at once (each a different name to write): throughput off, on by default (no drafts while
-    DISABLE_BY_BATCH_SIZE or more run), and on at every batch size."""
+    """48 edit requests at once, each a different name to write. It measures throughput in three ways: off,
+    on by default (no drafts while DISABLE_BY_BATCH_SIZE or more run), and on at every batch size."""
     probe = LLM(args.model, dtype="float32")
     chats = [EDIT.replace("Mr. Smith", f"Mr. {name}") for name in ["Smith", "Jones", "Brown", "Taylor"] * 12]
     prompts = [chat_prompt(probe, c) for c in chats]

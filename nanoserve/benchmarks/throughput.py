@@ -1,9 +1,10 @@
-"""Offline throughput: a whole workload queued at once on each engine, side by side in one process,
-so that ratios, not absolute numbers, are the point. The engines (`ENGINES`): nanoserve with
-continuous and with static batching, transformers' `generate` on one padded batch, and transformers'
-continuous batching. `report` prints their table and nanoserve's steps against the roofline
-(roofline.py); the comparisons print prefix caching on and off, and one process against tensor
-parallel ranks on the same cores."""
+"""Offline throughput: a whole workload queued at once on each engine, side by side in one process.
+So ratios, not absolute numbers, are the point. The engines (`ENGINES`):
+- nanoserve with continuous batching, and with static batching;
+- transformers' `generate` on one padded batch;
+- transformers' continuous batching.
+`report` prints their table, and nanoserve's steps against the roofline (roofline.py). The comparisons
+print prefix caching on and off, and one process against tensor parallel ranks on the same cores."""
 from __future__ import annotations
 
 import statistics
@@ -75,8 +76,8 @@ def load_hf(path: str, dtype: str, device: str = "cpu") -> PreTrainedModel:
 
 @torch.inference_mode()
 def run_hf_generate(path: str, workload: list[Request], dtype: str, device: str = "cpu") -> Result:
-    """transformers' `generate` on one left-padded static batch: every request runs until the
-    longest one is done (min_new_tokens = max_new_tokens: EOS ignored, as for the others)."""
+    """transformers' `generate` on one left-padded static batch. Every request runs until the longest one
+    is done. min_new_tokens = max_new_tokens, so EOS is ignored, as for the others."""
     from transformers import LogitsProcessor, LogitsProcessorList
     model = load_hf(path, dtype, device)
     stamps: list[float] = []
@@ -106,8 +107,8 @@ def run_hf_generate(path: str, workload: list[Request], dtype: str, device: str 
 def run_hf_continuous(path: str, workload: list[Request], dtype: str, device: str = "cpu",
                       max_seconds: float | None = None) -> Result:
     """transformers' continuous batching manager, each request with its own max_new_tokens, sampling at the
-    workload's temperature. With `max_seconds`, it stops then and counts the tokens generated so far (its
-    requests stream them), as a rate over the start of the run."""
+    workload's temperature. With `max_seconds`, it stops then. It counts the tokens generated so far
+    (its requests stream them), as a rate over the start of the run."""
     from transformers import GenerationConfig
     model = load_hf(path, dtype, device)
     temperature = workload[0].temperature
@@ -174,8 +175,8 @@ def report(results: list[Result], machine: Machine, shape: ModelShape) -> str:
 
 
 def nanovllm_table(results: list[Result]) -> str:
-    """The columns of nano-vllm's published benchmark table, to set beside it (throughput: output
-    tokens over the time to serve all requests, as its bench.py counts)."""
+    """The columns of nano-vllm's published benchmark table, to set beside it. Throughput is output tokens
+    over the time to serve all requests, as its bench.py counts."""
     lines = ["| Inference Engine | Output Tokens | Time (s) | Throughput (tokens/s) |", "|---|---|---|---|"]
     for r in results:
         engine = f"{r.engine} ({r.extra['cut']})" if "cut" in r.extra else r.engine  # a rate over the run's start
@@ -184,8 +185,8 @@ def nanovllm_table(results: list[Result]) -> str:
 
 
 def compare_prefix_caching(path: str, workload: list[Request], config: dict) -> str:
-    """The shared-prefix workload with prefix caching on and off: prefill tokens the model ran, prompt
-    tokens served from the cache, time to first token (all requests arrive at once) and seconds."""
+    """The shared-prefix workload with prefix caching on and off. It reports the prefill tokens the model ran,
+    prompt tokens served from the cache, time to first token (all requests arrive at once) and seconds."""
     lines = ["| prefix caching | prefill tokens computed | cached tokens | TTFT p50 / p99 (s) | seconds |",
              "|---|---|---|---|---|"]
     for caching in (True, False):
@@ -196,8 +197,9 @@ def compare_prefix_caching(path: str, workload: list[Request], config: dict) -> 
 
 
 def compare_tensor_parallel(path: str, workload: list[Request], config: dict, size: int) -> str:
-    """The same workload on one process with T and size*T threads, and on `size` ranks of T threads
-    each (T: torch's threads now; the ranks split their process's size*T): the same cores, two ways."""
+    """The same workload on the same cores, two ways. One process runs it with T and size*T threads.
+    Then `size` ranks run it with T threads each. T is torch's threads now. The ranks split their
+    process's size*T."""
     threads = torch.get_num_threads()
     setups = [(1, threads), (1, size * threads), (size, threads)]  # (ranks, threads per rank)
     lines = ["| ranks x threads | seconds | total tok/s | decode step (median ms) | vs 1 x "

@@ -1,6 +1,8 @@
-"""What every benchmark shares: the requests it sends (`Request`, `make_workload`, the named
-`WORKLOADS`), what an engine's run measured (`Result`, and the `Step`s the roofline reads), the
-default model (a random ~40M-parameter Llama, built once) and the percentile every table prints."""
+"""What every benchmark shares:
+- the requests it sends (`Request`, `make_workload`, the named `WORKLOADS`);
+- what an engine's run measured (`Result`, and the `Step`s the roofline reads);
+- the default model, a random ~40M-parameter Llama, built once;
+- the percentile every table prints."""
 from __future__ import annotations
 
 import os
@@ -11,8 +13,8 @@ import torch
 
 from nanoserve.config import cdiv
 
-# The warm-up prompt: ids below 3, which workloads never draw, and shorter than any block, so that
-# it leaves nothing in the prefix cache that a workload's prompt could hit.
+# The warm-up prompt: ids below 3, which workloads never draw. It is shorter than any block, so it
+# leaves nothing in the prefix cache that a workload's prompt could hit.
 WARM_UP = [1, 2]
 # The named workloads' shapes (`--workload`); "random" takes --num-requests, --input-len, --output-len.
 WORKLOADS = {
@@ -79,8 +81,8 @@ class Result:
 
 
 def build_default_model(folder: str, nanovllm_gpu: bool = False) -> str:
-    """The default workload's random Llama, built once with transformers and kept in `folder`; with
-    `nanovllm_gpu`, a random Qwen3 of Qwen3-0.6B's shape in bfloat16, built on the GPU (fast)."""
+    """The default workload's random Llama, built once with transformers and kept in `folder`.
+    With `nanovllm_gpu` it is a random Qwen3 of Qwen3-0.6B's shape in bfloat16, built on the GPU (fast)."""
     name, family, sizes, device = "nanoserve-bench-llama-40m", "llama", DEFAULT_MODEL, "cpu"
     if nanovllm_gpu:
         name, family, sizes, device = "nanoserve-bench-qwen3-0.6b-shape", "qwen3", NANOVLLM_MODEL, "cuda"
@@ -96,8 +98,8 @@ def build_default_model(folder: str, nanovllm_gpu: bool = False) -> str:
 
 def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int],
                   vocab_size: int, seed: int, temperature: float = 0.0, shared_prefix: int = 0) -> list[Request]:
-    """Random token-id prompts and output lengths, each drawn uniformly from its range; with
-    `shared_prefix`, every prompt starts with the same that many tokens (a system prompt)."""
+    """Random token-id prompts and output lengths, each drawn uniformly from its range.
+    With `shared_prefix`, every prompt starts with the same that many tokens (a system prompt)."""
     rng = random.Random(seed)
     system = [rng.randrange(3, vocab_size) for _ in range(shared_prefix)]
     return [Request(system + [rng.randrange(3, vocab_size) for _ in range(rng.randint(*input_len))],

@@ -1,5 +1,5 @@
-"""The extensions: features beyond the walkthrough, each in a module of its own that plugs into the core
-(nanoserve/*.py, nanoserve/models/, nanoserve/layers/) at a named seam. The core never imports them.
+"""The extensions: features beyond the walkthrough. Each is a module of its own that plugs into the core at
+a named seam. The core is nanoserve/*.py, nanoserve/models/ and nanoserve/layers/. It never imports them.
 
 - spec_decode.py: n-gram speculative decoding (draft tokens for the decodes);
 - structured_outputs.py: grammars compiled with xgrammar (JSON schema, regex, choice, EBNF);

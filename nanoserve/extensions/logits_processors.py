@@ -1,18 +1,20 @@
 """Logits processors: what a request asks of its next token's logits beyond temperature, top-k and top-p.
 
-`process_logits` applies them to the rows that sample (logits [S, vocab], one row per request), in
-vLLM's order:
-1. structured outputs: -inf outside the grammar's allowed tokens (structured_outputs.py);
-2. min_tokens: -inf on EOS and the stop tokens while the output is shorter than min_tokens (under a grammar
-   too: one that can only end sooner fails the request);
-3. logit_bias: added to the logits of the tokens it names;
-4. penalties: repetition_penalty over the tokens in the prompt or the output (a positive logit is
-   divided by it, a negative one multiplied, so either way the token gets less likely), then
-   frequency_penalty x count + presence_penalty x (count > 0) subtracted, counting the output only.
+`process_logits` applies them to the rows that sample (logits [S, vocab], one row per request).
+It applies them in vLLM's order:
+1. Structured outputs: -inf outside the grammar's allowed tokens (structured_outputs.py).
+2. min_tokens: -inf on EOS and the stop tokens while the output is shorter than min_tokens. That holds
+   under a grammar too. A grammar that can only end sooner fails the request.
+3. logit_bias: added to the logits of the tokens it names.
+4. Penalties. First repetition_penalty, over the tokens in the prompt or the output. A positive logit is
+   divided by it, and a negative one multiplied. So either way the token gets less likely. Then
+   frequency_penalty x count + presence_penalty x (count > 0) is subtracted, counting the output only.
 The sampler then divides by the temperature and applies min_p, top-k and top-p (sampler.py).
-Logprobs come from the logits as the model gave them (vLLM's default): these work on a copy. When no
-row asks for any of them, the logits come back untouched after one attribute check per row.
-A failure here is one request's (its grammar, its parameters): it fails that request alone (`process_logits`).
+
+Logprobs come from the logits as the model gave them (vLLM's default). So these work on a copy. When no
+row asks for any of them, the logits come back untouched, after one attribute check per row.
+A failure here is one request's: its grammar's, or its parameters'. It fails that request alone
+(`process_logits`).
 """
 from __future__ import annotations
 
@@ -27,9 +29,11 @@ from nanoserve.sequence import Sequence
 
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> torch.Tensor:
-    """logits [S, vocab] of the requests `seqs` that sample now -> the logits to sample from. A processor that
-    raises for one request, or a row left with no token allowed, fails that request alone (seq.error: it ends
-    with "error" once its token, void, is appended); its row is zeroed so that sampling it cannot fail."""
+    """logits [S, vocab] of the requests `seqs` that sample now -> the logits to sample from.
+
+    A processor may raise for one request, or leave a row with no token allowed. That fails the request
+    alone (seq.error). It ends with "error" once its token, void, is appended. Its row is zeroed, so that
+    sampling it cannot fail."""
     if not any(uses_processors(seq.params) for seq in seqs):
         return logits  # the common case: nothing to copy, nothing to do
     logits = logits.clone()
@@ -59,8 +63,8 @@ def apply_row_processors(logits: torch.Tensor, row: int, seq: Sequence, eos_toke
 
 
 def fail_banned_rows(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Fail each request whose row allows no token (all -inf): its grammar's language is empty, or the grammar
-    must end before min_tokens. (The sampler would pick token 0, which the grammar then refuses.)"""
+    """Fail each request whose row allows no token (all -inf). Either its grammar's language is empty, or
+    the grammar must end before min_tokens. (The sampler would pick token 0, which the grammar then refuses.)"""
     rows = [row for row, seq in enumerate(seqs) if uses_processors(seq.params) and seq.error is None]
     banned = torch.isneginf(logits[rows]).all(dim=1).tolist()  # [R]
     for seq in [seqs[row] for row, is_banned in zip(rows, banned) if is_banned]:

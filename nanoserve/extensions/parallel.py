@@ -1,8 +1,8 @@
 """Tensor parallelism's processes: rank 0 is the engine, ranks 1..N-1 are workers it starts and drives.
 
-Rank 0 holds the scheduler, the block manager and the sampler; its runner is a `TensorParallelRunner`.
-Each step it sends the `Batch` to every worker over a pipe, then every rank runs the same forward on
-its own shard (distributed.py says what each rank holds and where they meet). Only rank 0 samples.
+Rank 0 holds the scheduler, the block manager and the sampler. Its runner is a `TensorParallelRunner`.
+Each step it sends the `Batch` to every worker over a pipe. Then every rank runs the same forward on
+its own shard. (distributed.py says what each rank holds and where they meet.) Only rank 0 samples.
 With tensor_parallel_size 1 nothing here runs: no process group, no process.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ from nanoserve.sequence import ScheduledSeq
 
 
 class TensorParallelRunner(ModelRunner):
-    """Rank 0's runner: starts the workers, joins their group, loads shard 0, and runs each step's
-    Batch after sending it to the workers. Any failure stops every rank (they are out of step)."""
+    """Rank 0's runner. It starts the workers, joins their group, and loads shard 0. It runs each step's
+    Batch after sending it to the workers. Any failure stops every rank, since they are out of step."""
 
     def __init__(self, config: Config, device: torch.device, max_model_len: int, checkpoint: Checkpoint,
                  seams: Seams) -> None:
@@ -55,9 +55,9 @@ class TensorParallelRunner(ModelRunner):
             raise
 
     def stop_workers_after(self, error: BaseException) -> None:
-        """An error (or a Ctrl-C) mid-collective leaves the ranks out of step: stop them all, and
-        raise the error of the worker at fault if one failed or died (else the caller re-raises
-        `error`: also when it is a ValueError, bad input that rank 0 found itself)."""
+        """An error (or a Ctrl-C) mid-collective leaves the ranks out of step. So stop them all.
+        If a worker failed or died, raise its error. Else the caller re-raises `error`. It does so also
+        when `error` is a ValueError: bad input that rank 0 found itself."""
         failure = self.workers.failure()
         self.close()
         if failure is not None and not isinstance(error, ValueError):
@@ -65,7 +65,7 @@ class TensorParallelRunner(ModelRunner):
 
     @property
     def healthy(self) -> bool:
-        """False once the workers are stopped (closed, or after a failed step): for good."""
+        """False once the workers are stopped, for good (closed, or after a failed step)."""
         return bool(self.workers.processes)
 
     def close(self) -> None:
@@ -98,8 +98,8 @@ class Workers:
             self.processes.append(process)
 
     def report(self, rank: int, wait: float = 0.0) -> str | None:
-        """What worker `rank` says within `wait` seconds: "started", "failed:" and its traceback,
-        "died (exit code N)" if it is gone without a word, or None while it runs silently."""
+        """What worker `rank` says within `wait` seconds. That is "started", or "failed:" and its traceback.
+        It is "died (exit code N)" if the worker is gone without a word. It is None while it runs silently."""
         pipe, process = self.pipes[rank - 1], self.processes[rank - 1]
         with contextlib.suppress(EOFError, OSError):  # its end of the pipe closed: it died
             if pipe.poll(wait):
@@ -113,8 +113,8 @@ class Workers:
         return f"died (exit code {process.exitcode})"
 
     def wait_until_started(self) -> None:
-        """Each worker says "started" just before joining the group: one that fails or dies first
-        is an error now, not after rank 0 has waited TIMEOUT for it in the group's rendezvous."""
+        """Each worker says "started" just before joining the group. So one that fails or dies first is an
+        error now. Rank 0 does not wait TIMEOUT for it in the group's rendezvous."""
         for rank in range(1, len(self.processes) + 1):
             while (message := self.report(rank, wait=0.1)) is None:
                 pass
@@ -122,8 +122,8 @@ class Workers:
                 raise RuntimeError(f"tensor-parallel worker {rank} failed to start: {message}")
 
     def send(self, batch: Batch) -> None:
-        """The next step's `Batch` to every worker, as numpy arrays: they pickle in microseconds,
-        where tensors would each go through a shared-memory file (milliseconds a step)."""
+        """Send the next step's `Batch` to every worker, as numpy arrays. They pickle in microseconds.
+        Tensors would each go through a shared-memory file (milliseconds a step)."""
         if not self.processes:
             raise RuntimeError("the tensor-parallel workers are stopped (closed, or after an error): create a new LLM")
         values = vars(batch)  # the dataclass's fields by name
@@ -140,8 +140,8 @@ class Workers:
         return None
 
     def close(self) -> None:
-        """Rank 0's end of tensor parallelism: stop every worker (ask with None instead of a Batch, wait a
-        little, then terminate), then leave the process group."""
+        """Rank 0's end of tensor parallelism. Stop every worker, then leave the process group.
+        A worker is asked with None instead of a Batch. After a little wait, it is terminated."""
         try:
             for pipe in self.pipes:
                 with contextlib.suppress(OSError):  # that worker is gone already
@@ -159,9 +159,9 @@ class Workers:
 
 def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: object,
                device: torch.device, num_threads: int, weight_transform: WeightTransform | None) -> None:
-    """A worker's life: join the group, load its shard, then run every Batch rank 0 sends until
-    None. Anything raised goes back to rank 0 over the pipe; the exit closes its sockets, which
-    fails rank 0's collective at once."""
+    """A worker's life: join the group, load its shard, then run every Batch rank 0 sends until None.
+    Anything raised goes back to rank 0 over the pipe. The exit closes its sockets. That fails rank 0's
+    collective at once."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     torch.set_num_threads(num_threads)
     try:

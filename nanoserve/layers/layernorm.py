@@ -1,6 +1,6 @@
-"""RMSNorm: x / sqrt(mean(x^2) + eps) * weight, computed as Hugging Face's Llama computes it, so
-float32 results are bit-identical and bfloat16 ones round the same way. `norm_heads`: Qwen3's q/k norm,
-the same RMSNorm over each attention head."""
+"""RMSNorm: x / sqrt(mean(x^2) + eps) * weight. It is computed as Hugging Face's Llama computes it.
+So float32 results are bit-identical, and bfloat16 ones round the same way. `norm_heads` is Qwen3's
+q/k norm, the same RMSNorm over each attention head."""
 from __future__ import annotations
 
 import torch
@@ -21,6 +21,6 @@ class RMSNorm(nn.Module):
 
 
 def norm_heads(qk: torch.Tensor, num_heads: int, q_norm: RMSNorm, k_norm: RMSNorm) -> torch.Tensor:
-    """Qwen3's q/k norm on q's and k's heads side by side `[N, H + Hkv, D]` (H = `num_heads`): an RMSNorm
-    over each head's D dims, by q_norm's `[D]` weight for q's heads and k_norm's for k's."""
+    """Qwen3's q/k norm on q's and k's heads side by side, `[N, H + Hkv, D]` (H = `num_heads`).
+    It is an RMSNorm over each head's D dims. q's heads use q_norm's `[D]` weight, and k's use k_norm's."""
     return torch.cat([q_norm(qk[:, :num_heads]), k_norm(qk[:, num_heads:])], dim=1)  # [N, H + Hkv, D]

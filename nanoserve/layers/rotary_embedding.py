@@ -1,5 +1,5 @@
-"""Rotary position embedding (RoPE): each pair of dims of q and k is rotated by an angle proportional
-to the token's position, so q . k depends only on how far apart the two tokens are.
+"""Rotary position embedding (RoPE). Each pair of dims of q and k is rotated by an angle proportional
+to the token's position. So q . k depends only on how far apart the two tokens are.
 
 Hugging Face's "rotate_half" layout: dim j pairs with dim j + D/2. The angles come from the
 checkpoint's `rope_parameters` (config.json): rope_type "default", or "llama3" (Llama 3.1's
@@ -28,10 +28,11 @@ def compute_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
 def scale_llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     """Llama 3.1's long-context RoPE: slow down low frequencies by `factor`, keep high ones.
 
-    Wavelengths shorter than `original_max_position_embeddings / high_freq_factor` (local detail)
-    are kept; those longer than `original / low_freq_factor` (position over the whole context) are
-    stretched by `factor`, so the longer context maps onto angles seen in training; in between
-    the two are blended linearly in `original / wavelength`.
+    - Wavelengths shorter than `original_max_position_embeddings / high_freq_factor` are kept.
+      They carry local detail.
+    - Those longer than `original / low_freq_factor` are stretched by `factor`. They carry position over
+      the whole context. Stretched, the longer context maps onto angles seen in training.
+    - In between, the two are blended linearly in `original / wavelength`.
     """
     factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
     original = params["original_max_position_embeddings"]
@@ -42,8 +43,8 @@ def scale_llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin of each token's rotation angles, from its position, every step: N x D/2 products,
-    cheaper than a table for all max_position_embeddings positions (131k for Llama 3.1)."""
+    """cos/sin of each token's rotation angles, from its position, every step. That is N x D/2 products.
+    It is cheaper than a table for all max_position_embeddings positions (131k for Llama 3.1)."""
 
     def __init__(self, head_dim: int, rope_parameters: dict):
         super().__init__()
@@ -61,6 +62,6 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate each (j, j + D/2) pair of `x` `[N, heads, D]` by its token's angle (`[N, 1, D]` each).
-    HF computes x * cos + cat(-x2, x1) * sin; roll(x, D/2) * [-sin, sin] is the same products, bit for
-    bit (a sign flip is exact), in one op per layer instead of chunk, neg and cat."""
+    HF computes x * cos + cat(-x2, x1) * sin. Here roll(x, D/2) * [-sin, sin] gives the same products, bit
+    for bit, since a sign flip is exact. It is one op per layer instead of chunk, neg and cat."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
