@@ -1,8 +1,10 @@
-"""The OpenAI-compatible API's side of a request before it reaches the engine: the request bodies,
-how they are read and checked, the errors they get, and the server's limits.
+"""The OpenAI-compatible API's side of a request, before it reaches the engine.
+
+This file holds the request bodies, how they are read and checked, the errors they get, and the
+server's limits.
 
 Bodies are strict, as OpenAI's API: "5" is not an int and true is not a number. A field left out or
-null takes the default. Unknown fields are ignored (and logged); UNSUPPORTED ones are refused unless
+null takes the default. Unknown fields are ignored (and logged). UNSUPPORTED ones are refused, unless
 they hold the value that means "not used". Every error is an `APIError`: an HTTP status and OpenAI's
 error body, naming the field at fault.
 """
@@ -79,8 +81,10 @@ def shorten(text: str, limit: int = 100) -> str:
 
 
 def engine_error(error: Exception) -> APIError:
-    """An AsyncLLM failure as the client sees it: bad input (add_request's ValueError) a 400 naming the
-    field, a failed step or add_request a 500, a dead engine loop a 503."""
+    """An AsyncLLM failure as the client sees it.
+
+    Bad input (add_request's ValueError) is a 400 naming the field. A failed step or add_request is a 500.
+    A dead engine loop is a 503."""
     if isinstance(error, EngineDeadError):
         return APIError(str(error), status=503)
     if isinstance(error, EngineGenerateError):
@@ -289,10 +293,12 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 async def read_json(request: Request, limit: int, max_values: int) -> dict:
-    """The body as a JSON object; 413 past `limit` bytes (read no further) or past `max_values` commas,
-    400 if it is no JSON object. json.loads holds the GIL while it builds the body's objects (~0.1 s for
-    200,000 small lists, so every stream and /health wait); counting the commas first, an upper bound on
-    its values, costs ~1 ms per MiB."""
+    """The body as a JSON object.
+
+    A 413 past `limit` bytes (read no further) or past `max_values` commas. A 400 if it is no JSON object.
+    json.loads holds the GIL while it builds the body's objects. That took ~0.1 s for 200,000 small lists,
+    and every stream and /health waited. The commas are an upper bound on the values. Counting them first
+    costs ~1 ms per MiB."""
     too_large = APIError(f"the request body is larger than {limit} bytes, this server's limit", status=413)
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -350,8 +356,10 @@ def check_logprobs(field: str, value: int | None) -> None:
 
 
 def template_messages(messages: list[Message]) -> list[dict]:
-    """Messages as chat templates take them; content given as a list of text parts is joined by
-    newlines (as vLLM does). An assistant's tool_calls and a tool message's tool_call_id go along."""
+    """Messages as chat templates take them.
+
+    Content given as a list of text parts is joined by newlines (as vLLM does). An assistant's tool_calls
+    and a tool message's tool_call_id go along."""
     result = []
     for i, m in enumerate(messages):
         if m.content is None and not m.tool_calls:
@@ -370,8 +378,10 @@ def template_messages(messages: list[Message]) -> list[dict]:
 
 
 def template_tool_call(call: MessageToolCall) -> dict:
-    """A call as transformers' chat templates take it: the arguments as a dict (templates write them with
-    tojson; a string would be quoted twice), as vLLM passes them. Arguments that are no JSON object stay text."""
+    """A call as transformers' chat templates take it: the arguments as a dict, as vLLM passes them.
+
+    Templates write the arguments with tojson, so a string would be quoted twice. Arguments that are no
+    JSON object stay text."""
     try:
         arguments = json.loads(call.function.arguments)
     except ValueError:
