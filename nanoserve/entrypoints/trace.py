@@ -1,10 +1,10 @@
 """Step traces: what one engine step did, printed as in the walkthrough (docs/walkthrough.md).
 
-`format_step` prints a `StepResult` as the walkthrough's arrays, one line each (`input_ids`,
-`positions`, `slot_mapping`, `query_start_loc`, `seq_lens`, `block_tables`), then which requests
-ran a prefill chunk, which decoded one token (with speculative decoding: how many drafts it verified and
-how many it accepted), and which finished. It only reads: it never changes
-the engine. (The notebooks draw the KV cache itself with notebooks/block_map.py.)
+`format_step` prints a `StepResult` as the walkthrough's arrays, one line each. They are `input_ids`,
+`positions`, `slot_mapping`, `query_start_loc`, `seq_lens` and `block_tables`. Then it says which requests
+ran a prefill chunk, which decoded one token, and which finished. With speculative decoding it also says
+how many drafts each verified and how many it accepted. It only reads: it never changes the engine.
+The notebooks draw the KV cache itself with notebooks/block_map.py.
 """
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens
 
 
 def format_step(result: StepResult, step_index: int | None = None) -> str:
-    """The step as text, one `name = [...]` line per array of its Batch, then which requests ran a
-    prefill chunk, which decoded one token, and which finished."""
+    """The step as text, one `name = [...]` line per array of its Batch.
+
+    Then come which requests ran a prefill chunk, which decoded one token, and which finished."""
     title = "step" if step_index is None else f"step {step_index}"
     batch = result.batch
     if batch is None:
