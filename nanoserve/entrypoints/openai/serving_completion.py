@@ -57,8 +57,9 @@ class CompletionAPI(Formatter):
         return body.logprobs, given(body.prompt_logprobs, body.logprobs if body.echo else None)
 
     def show(self, index: int, result: RequestOutput | RequestDelta) -> Shown:
-        """The completion (a whole output, or a streamed delta); with echo, the prompt first (in a
-        choice's first chunk), or alone with max_tokens 0."""
+        """The completion: a whole output, or a streamed delta.
+
+        With echo, the prompt comes first (in a choice's first chunk), or alone with max_tokens 0."""
         if isinstance(result, RequestOutput):
             completion = result.outputs[0]
             text, token_ids, logprobs, finish_reason = (completion.text, completion.token_ids, completion.logprobs,

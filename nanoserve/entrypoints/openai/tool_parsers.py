@@ -3,8 +3,8 @@
 A parser reads one output as it grows (`ToolReader.read(text, final)`). Each time it is given the whole
 text so far. It returns the content new since the last reading. It keeps the calls that the text so far
 shows for certain. `final` says the text is the whole output. Before that, whatever might still turn into
-something else is held back. That is a "<tool_ca" that may become a tag, trailing whitespace that may end
-up between two calls, or a call whose name is not complete.
+something else is held back. A "<tool_ca" may become a tag. Trailing whitespace may end up between two
+calls. A call's name may not be complete yet.
 
 What a reader shows only grows as the text does: the content, the list of calls, each call's arguments.
 So a stream sends the differences (`ToolCallStream`). What it sends adds up to the whole text's parse
