@@ -135,8 +135,8 @@ class EngineLoop:
         self.replies: dict[str, ReplyQueue] = {}  # unfinished engine requests -> where their results go
         self.pending: FairQueue[Submit] = FairQueue()  # submitted, not yet handed to the engine
         self.max_num_seqs = engine.config.max_num_seqs
-        # The most engine slots (running or waiting) one client (Submit.client) may hold: the rest stay free for
-        # the others' first tokens, whatever one client holds. A stream without a client has no such bound.
+        # The most engine slots (running or waiting) one client (Submit.client) may hold. The rest stay free
+        # for the others' first tokens, whatever one client holds. A stream without a client has no such bound.
         self.max_client_share = self.max_num_seqs - self.max_num_seqs // 8
         self.client_of: dict[str, Hashable] = {}   # engine requests with a client -> it
         self.num_in_engine: Counter[Hashable] = Counter()  # per client, its requests in the engine

@@ -31,8 +31,9 @@ def format_step(result: StepResult, step_index: int | None = None) -> str:
     runs = [(request_id, num_tokens, batch.positions[start].item())
             for (request_id, num_tokens), start in zip(result.scheduled, batch.query_start_loc.tolist())]
     prefill = [f"{r} ({n} tokens from position {p})" for r, n, p in runs if r not in result.decode_ids]
-    # A decode with drafts (spec_decode.py) ran n - 1 of them after its last token; its delta holds the tokens kept
-    # (accepted drafts and the sample after them, fewer where a stop rule ended the run among them)
+    # A decode with drafts (spec_decode.py) ran n - 1 of them after its last token. Its delta holds the tokens
+    # kept: the accepted drafts and the sample after them. There are fewer where a stop rule ended the run
+    # among them.
     num_out = {delta.request_id: len(delta.token_ids) for delta in result.deltas}
     decode = [f"{r} at position {p}" + (f" + {n - 1} drafts, {num_out[r] - 1} accepted" if n > 1 else "")
               for r, n, p in runs if r in result.decode_ids]

@@ -331,8 +331,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.serve")
     host, port = sock.getsockname()[:2]  # uvicorn does not say where a socket it was given listens (--port 0)
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     # Everything loaded so far (torch, the model, the tokenizer: millions of objects) lives as long as the
-    # server: freezing it keeps the garbage collector from walking it again. A full collection, which a
-    # big request body's many new lists set off, otherwise held the GIL, so every thread, for ~0.4 s.
+    # server. Freezing it keeps the garbage collector from walking it again. A big request body's many new
+    # lists set off a full collection. Without the freeze, that held the GIL (so every thread) for ~0.4 s.
     gc.collect()
     gc.freeze()
     logging.getLogger("uvicorn.error").info("serving %r at %s", name, url)

@@ -11,8 +11,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-# The rest of a JSON token after its first character: a string's (its closing quote in the group `closed`,
-# absent while the text stops inside it), a literal's (number, true, false, null), a run of whitespace.
+# The rest of a JSON token after its first character: a string's, a literal's, or a run of whitespace.
+# A string's closing quote is in the group `closed`, absent while the text stops inside the string.
+# A literal is a number, true, false or null.
 STRING_REST = re.compile(r'(?:[^"\\]|\\.)*(?P<closed>")?', re.DOTALL)
 LITERAL_REST = re.compile(r'[^\s{}\[\]:,"]*')
 WHITESPACE = re.compile(r"\s+")

@@ -32,25 +32,26 @@ class Limits:
     max_body_bytes: int = 8 * 2**20                # 413 past this; the body is read no further
     max_stop: int = 32                             # stop strings, and stop_token_ids, per request
     max_stop_chars: int = 1024                     # characters in one stop string
-    # Completions (prompts x n) in flight: tokenizing, waiting or running in the engine, not only queued; more: 429.
-    # None: 4 x the engine's max_num_seqs (Serving.max_in_flight), a running batch and three more waiting.
+    # Completions (prompts x n) in flight: tokenizing, waiting or running in the engine, not only queued.
+    # More get 429. None: 4 x the engine's max_num_seqs (Serving.max_in_flight), a running batch and three
+    # more waiting.
     max_num_queued_requests: int | None = None
-    # Of those, what one client (the body's `user`, else its API key, else its address) may hold; more: 429.
-    # None: 7/8 of max_num_queued_requests, so that one client cannot make 429s for the others.
+    # Of those, what one client (its API key where the server takes several, else its address) may hold.
+    # More get 429. None: 7/8 of max_num_queued_requests, so that one client cannot make 429s for the others.
     max_num_queued_requests_per_client: int | None = None
     max_n: int = 128                               # completions of one prompt (n): OpenAI's limit
-    # Bytes of text in one request's prompts or messages together (at least what one prompt may hold),
-    # and token ids in one /detokenize (at least max_model_len): a bound on one request's tokenizer time.
+    # Bytes of text in one request's prompts or messages together (at least what one prompt may hold).
+    # Token ids in one /detokenize (at least max_model_len). Both bound one request's tokenizer time.
     max_request_prompt_bytes: int = 2**20
     max_detokenize_tokens: int = 2**16
     # Completions (prompts x n) of one request: twice max_n, one default engine batch (max_num_seqs 256).
     max_completions_per_request: int = 256
-    # Seconds a stream may wait for its client to take a chunk (the socket's buffers full) before its
-    # connection is closed: a client that stops reading holds no more than this.
+    # Seconds a stream may wait for its client to take a chunk (the socket's buffers full). Then its
+    # connection is closed. So a client that stops reading holds no more than this.
     write_timeout: float = 30.0
-    # Structured outputs (response_format, structured_outputs), checked before xgrammar sees them: bytes of
-    # the schema, regex, grammar or choices; nesting of the schema and of brackets in patterns, regexes and
-    # grammars; seconds a request waits for its grammar's compile (past it, a 400).
+    # Structured outputs (response_format, structured_outputs), checked before xgrammar sees them.
+    # Bytes of the schema, regex, grammar or choices. Nesting of the schema, and of brackets in patterns,
+    # regexes and grammars. Seconds a request waits for its grammar's compile (past it, a 400).
     max_grammar_bytes: int = 64 * 1024
     max_grammar_depth: int = 64
     max_grammar_compile_seconds: float = 10.0

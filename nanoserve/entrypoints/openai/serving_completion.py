@@ -38,7 +38,7 @@ class CompletionAPI(Formatter):
         self.num_top, self.show_prompt_logprobs = body.logprobs, body.prompt_logprobs is not None
         self.echoed: set[int] = set()                          # choices whose prompt was shown
         # A streamed choice's text_offset so far: the length of its token strings sent, as the whole
-        # response counts them (not its text's length: "<s>" is a token string, not text).
+        # response counts them. It is not its text's length: "<s>" is a token string, not text.
         self.num_chars: dict[int, int] = collections.Counter()
 
     @staticmethod

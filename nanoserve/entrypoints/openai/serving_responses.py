@@ -174,8 +174,8 @@ async def answer(generation: Generation, api: ChatAPI, head: dict, body: Respons
     items = [message_item(message["content"])] if message["content"] else []
     items += [call_item(call["id"], call["function"]["name"], call["function"]["arguments"])
               for call in message.get("tool_calls", [])]
-    # json.dumps' ASCII escapes: a lone surrogate echoed from the body ("\ud800" in a tool's description) is JSON
-    # as it came; JSONResponse's UTF-8 could not encode it (a 500)
+    # json.dumps' ASCII escapes keep a lone surrogate echoed from the body ("\ud800" in a tool's description)
+    # as JSON, as it came. JSONResponse's UTF-8 could not encode it (a 500).
     return Response(json.dumps(response_object(body, head, items, choice["finish_reason"], api.usage(outputs))),
                     media_type="application/json")
 
@@ -306,6 +306,6 @@ async def response_events(generation: Generation, api: ChatAPI, head: dict, body
     for event in events.finish():
         yield event
     final = response_object(body, head, events.items, finish_reason or "stop", api.usage(outputs))
-    # response.completed even when the response is incomplete (its status says so): the openai client's
-    # stream helper ends only with it (get_final_response), as vLLM sends it
+    # response.completed even when the response is incomplete (its status says so), as vLLM sends it.
+    # The openai client's stream helper ends only with it (get_final_response).
     yield events.event("response.completed", response=final)
