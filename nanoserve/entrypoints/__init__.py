@@ -1,3 +1,8 @@
-"""The ways into the engine, as vLLM's entrypoints: the offline `LLM` (llm.py), the asyncio front end
-(async_llm.py: the engine on a thread of its own, engine_loop.py and fair_queue.py), the OpenAI-compatible server
-built on it (openai/), and the `nanoserve` command (cli.py). The engine itself knows nothing of them."""
+"""The ways into the engine, as vLLM's entrypoints.
+
+- The offline `LLM` (llm.py).
+- The asyncio front end (async_llm.py), with the engine on a thread of its own (engine_loop.py, fair_queue.py).
+- The OpenAI-compatible server built on it (openai/).
+- The `nanoserve` command (cli.py).
+
+The engine itself knows nothing of them."""

@@ -4,9 +4,9 @@
     nanoserve bench [options]                  the benchmarks, as python -m nanoserve.bench
     nanoserve generate MODEL PROMPT [options]  one completion of PROMPT, printed as the engine makes it
 
-Each command parses its own options (`nanoserve serve --help`); a mistake in them is one line on
-stderr and exit status 2. The server's and the benchmarks' modules are imported only when their
-command runs: the server needs the [serve] extra.
+Each command parses its own options (`nanoserve serve --help`). A mistake in them is one line on
+stderr, and exit status 2. The server's and the benchmarks' modules are imported only when their
+command runs, since the server needs the [serve] extra.
 """
 from __future__ import annotations
 

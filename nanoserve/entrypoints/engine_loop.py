@@ -25,8 +25,10 @@ logger = logging.getLogger(__name__)
 
 
 class EngineGenerateError(Exception):
-    """add_request or a step raised on the engine thread (a bug, a device failure): the requests
-    concerned fail, and the loop serves the next ones. (Bad input raises add_request's ValueError.)"""
+    """add_request or a step raised on the engine thread (a bug, a device failure).
+
+    The requests concerned fail, and the loop serves the next ones. Bad input raises add_request's ValueError
+    instead."""
 
 
 class EngineDeadError(Exception):
@@ -54,8 +56,10 @@ class StatLogger:
 
 class ReplyQueue:
     """One RequestStream's replies: written from the engine thread, read on the reader's event loop.
-    `on_finished(request_id)` runs on that loop as each request's final reply (its RequestOutput or a
-    Failed) arrives, whether or not anyone reads it: a server frees the request's slot then."""
+
+    `on_finished(request_id)` runs on that loop as each request's final reply arrives, whether or not
+    anyone reads it. The final reply is its RequestOutput or a Failed. A server frees the request's slot
+    then."""
 
     def __init__(self, on_finished: Callable[[str], None] | None = None) -> None:
         self.loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
@@ -108,8 +112,10 @@ class Accepted:
 
 @dataclass
 class Failed:
-    """Reply: the request failed: add_request's ValueError, the ValueError or EngineGenerateError of a request
-    that failed alone in a step (its grammar), an EngineGenerateError or an EngineDeadError."""
+    """Reply: the request failed.
+
+    The error is add_request's ValueError, or an EngineGenerateError, or an EngineDeadError. A request that
+    failed alone in a step (its grammar) gets a ValueError or an EngineGenerateError."""
     request_id: str
     error: Exception
 
@@ -129,8 +135,8 @@ class EngineLoop:
         self.replies: dict[str, ReplyQueue] = {}  # unfinished engine requests -> where their results go
         self.pending: FairQueue[Submit] = FairQueue()  # submitted, not yet handed to the engine
         self.max_num_seqs = engine.config.max_num_seqs
-        # The most engine slots (running or waiting) one client (Submit.client) may hold: the rest stay free for
-        # the others' first tokens, whatever one client holds. A stream without a client has no such bound.
+        # The most engine slots (running or waiting) one client (Submit.client) may hold. The rest stay free
+        # for the others' first tokens, whatever one client holds. A stream without a client has no such bound.
         self.max_client_share = self.max_num_seqs - self.max_num_seqs // 8
         self.client_of: dict[str, Hashable] = {}   # engine requests with a client -> it
         self.num_in_engine: Counter[Hashable] = Counter()  # per client, its requests in the engine
@@ -169,9 +175,10 @@ class EngineLoop:
         return messages
 
     def admit(self) -> None:
-        """Hand the engine pending requests, taking turns across streams, only as many as its next step
-        could run (max_num_seqs running or waiting): what waits, waits here, where the turns are fair,
-        not in the engine's first-come-first-served queue."""
+        """Hand the engine pending requests, taking turns across streams.
+
+        Hand only as many as its next step could run (max_num_seqs running or waiting). What waits, waits
+        here, where the turns are fair. It does not wait in the engine's first-come-first-served queue."""
         stats = self.engine.stats()
         room = self.max_num_seqs - stats["num_running"] - stats["num_waiting"]
         num_passed = 0  # clients in a row that passed their turn, holding their share
@@ -275,8 +282,9 @@ class EngineLoop:
 
 
 def request_error(error: Exception) -> Exception:
-    """What a request that failed alone in the engine (finish_reason "error") raises for its reader: its
-    input's fault (an InvalidRequest naming the field), else an EngineGenerateError."""
+    """What a request that failed alone in the engine (finish_reason "error") raises for its reader.
+
+    Its input's fault raises an InvalidRequest naming the field. Anything else raises an EngineGenerateError."""
     if isinstance(error, ValueError):
         return error
     return EngineGenerateError(f"the request failed: {error!r}")

@@ -1,7 +1,8 @@
-"""The requests an AsyncLLM has been given but not yet handed to the engine, taken in turns across
-clients (engine_loop.py: the engine loop hands the engine only what its next step could run). A client is
-what `Submit.turn` says: the server's client key (its API key where the server takes several, else its
-peer address: serving_engine.client_key), else the request's stream.
+"""The requests an AsyncLLM has been given but not yet handed to the engine, taken in turns across clients.
+
+The engine loop hands the engine only what its next step could run (engine_loop.py). The rest wait here.
+A client is what `Submit.turn` says. That is the server's client key (serving_engine.client_key), else the
+request's stream. The client key is the API key where the server takes several, else the peer address.
 
 Invariant: a request id is in `stream_of` iff it is in exactly one of `streams`' FIFOs, and no FIFO in
 `streams` is empty.
@@ -25,11 +26,12 @@ Submit = TypeVar("Submit", bound=Queued)
 
 
 class FairQueue(Generic[Submit]):
-    """Requests submitted but not yet handed to the engine: one FIFO per client (`Submit.turn`), taken
-    round-robin across clients. The engine's own waiting queue is first come, first
-    served, so handing it a 1,000 x n=128 fan-out at once would put 128,000 requests before the next
-    client's one; taking turns, that client waits for one request of each other stream at most.
-    Every operation is O(1) (ordered dicts), so a storm of aborts costs microseconds each."""
+    """Requests submitted but not yet handed to the engine: one FIFO per client (`Submit.turn`).
+
+    They are taken round-robin across clients. The engine's own waiting queue is first come, first served.
+    Handing it a 1,000 x n=128 fan-out at once would put 128,000 requests before the next client's one.
+    Taking turns, that client waits for one request of each other stream at most. Every operation is O(1)
+    (ordered dicts), so a storm of aborts costs microseconds each."""
 
     def __init__(self) -> None:
         self.streams: OrderedDict[Hashable, OrderedDict[str, Submit]] = OrderedDict()  # per client, in turn order

@@ -1,6 +1,6 @@
 """The offline front end: `LLM(model_path, **config).generate(prompts, sampling_params)`.
 
-`generate` adds every prompt to an `LLMEngine` (engine.py) and steps it until all have finished;
+`generate` adds every prompt to an `LLMEngine` (engine.py), and steps it until all have finished.
 `chat` formats conversations with the tokenizer's chat template first. As vLLM's `LLM`.
 """
 from __future__ import annotations
@@ -40,8 +40,8 @@ class LLM:
         requests (SamplingParams.for_sample), whose completions come back in one output's `outputs`.
         A request aborted meanwhile (through llm.engine, between steps) comes back with finish_reason
         "abort". If anything fails, its requests are aborted before the error propagates: the engine
-        is left idle. A request that failed alone (finish_reason "error": a grammar with no valid output)
-        raises its error, a ValueError naming the field where its input caused it."""
+        is left idle. A request may fail alone (finish_reason "error": a grammar with no valid output).
+        It raises its error: a ValueError naming the field, where its input caused it."""
         prompts = as_prompt_list(prompts)
         if self.engine.has_unfinished_requests():
             raise ValueError("LLM.generate needs an idle engine: requests added to llm.engine are "
@@ -68,9 +68,11 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them: each is formatted
-        by the tokenizer's chat template, ending with the assistant's turn to speak, then served as by
-        `generate`. The template writes any special tokens (<s>), so encode adds none."""
+        """One conversation (a list of {"role", "content"} dicts), or a list of them.
+
+        Each is formatted by the tokenizer's chat template, ending with the assistant's turn to speak.
+        Then it is served as by `generate`. The template writes any special tokens (<s>), so encode adds
+        none."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not tokenizer.chat_template:
             raise ValueError(f"{self.engine.config.model} has no tokenizer with a chat_template; "
@@ -104,8 +106,10 @@ class LLM:
 
 
 def as_prompt_list(prompts: object) -> list[str] | list[list[int]]:
-    """generate's prompts as a list: one prompt (a string or a list of token ids) becomes a list
-    of one; a list or tuple of prompts stays as it is (each is checked by add_request)."""
+    """generate's prompts as a list.
+
+    One prompt (a string or a list of token ids) becomes a list of one. A list or tuple of prompts stays as
+    it is. add_request checks each prompt."""
     if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                     and all(is_int(t) for t in prompts)):
         return [prompts]

@@ -1,11 +1,13 @@
-"""The tokenizer thread: the one thread where the server renders chat templates, tokenizes, and checks tools and
-grammar specs against their bounds, so that neither the event loop nor the engine thread waits on a long input.
+"""The tokenizer thread: the one thread where the server renders chat templates and tokenizes.
 
-Its jobs are taken in turns across clients (fair_queue.FairQueue, as the engine loop takes requests): a client
-with many requests queued waits behind one job of each other client, instead of every other client waiting
-behind all of its jobs. Each job's work is bounded by the server's limits (a request's texts by
-max_request_prompt_bytes, its tools by MAX_TOOLS_BYTES, a grammar spec by the grammar bounds), so a lone
-client's job waits for at most one bounded job per client ahead of it.
+It also checks tools and grammar specs against their bounds. So neither the event loop nor the engine
+thread waits on a long input.
+
+Its jobs are taken in turns across clients (fair_queue.FairQueue), as the engine loop takes requests.
+A client with many requests queued waits behind one job of each other client. So the other clients do
+not wait behind all of its jobs. Each job's work is bounded by the server's limits. A request's texts are
+bounded by max_request_prompt_bytes, its tools by MAX_TOOLS_BYTES, a grammar spec by the grammar bounds.
+So a lone client's job waits for at most one bounded job per client ahead of it.
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Step traces: what one engine step did, printed as in the walkthrough (docs/walkthrough.md).
 
-`format_step` prints a `StepResult` as the walkthrough's arrays, one line each (`input_ids`,
-`positions`, `slot_mapping`, `query_start_loc`, `seq_lens`, `block_tables`), then which requests
-ran a prefill chunk, which decoded one token (with speculative decoding: how many drafts it verified and
-how many it accepted), and which finished. It only reads: it never changes
-the engine. (The notebooks draw the KV cache itself with notebooks/block_map.py.)
+`format_step` prints a `StepResult` as the walkthrough's arrays, one line each. They are `input_ids`,
+`positions`, `slot_mapping`, `query_start_loc`, `seq_lens` and `block_tables`. Then it says which requests
+ran a prefill chunk, which decoded one token, and which finished. With speculative decoding it also says
+how many drafts each verified and how many it accepted. It only reads: it never changes the engine.
+The notebooks draw the KV cache itself with notebooks/block_map.py.
 """
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens
 
 
 def format_step(result: StepResult, step_index: int | None = None) -> str:
-    """The step as text, one `name = [...]` line per array of its Batch, then which requests ran a
-    prefill chunk, which decoded one token, and which finished."""
+    """The step as text, one `name = [...]` line per array of its Batch.
+
+    Then come which requests ran a prefill chunk, which decoded one token, and which finished."""
     title = "step" if step_index is None else f"step {step_index}"
     batch = result.batch
     if batch is None:
@@ -30,8 +31,9 @@ def format_step(result: StepResult, step_index: int | None = None) -> str:
     runs = [(request_id, num_tokens, batch.positions[start].item())
             for (request_id, num_tokens), start in zip(result.scheduled, batch.query_start_loc.tolist())]
     prefill = [f"{r} ({n} tokens from position {p})" for r, n, p in runs if r not in result.decode_ids]
-    # A decode with drafts (spec_decode.py) ran n - 1 of them after its last token; its delta holds the tokens kept
-    # (accepted drafts and the sample after them, fewer where a stop rule ended the run among them)
+    # A decode with drafts (spec_decode.py) ran n - 1 of them after its last token. Its delta holds the tokens
+    # kept: the accepted drafts and the sample after them. There are fewer where a stop rule ended the run
+    # among them.
     num_out = {delta.request_id: len(delta.token_ids) for delta in result.deltas}
     decode = [f"{r} at position {p}" + (f" + {n - 1} drafts, {num_out[r] - 1} accepted" if n > 1 else "")
               for r, n, p in runs if r in result.decode_ids]

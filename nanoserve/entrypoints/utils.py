@@ -1,5 +1,7 @@
-"""What the command lines share (`nanoserve serve`, `nanoserve generate`, `python -m nanoserve.serve`):
-a parser whose mistakes are one line, and the engine's options, Config's fields under their vLLM names.
+"""What the command lines share (`nanoserve serve`, `nanoserve generate`, `python -m nanoserve.serve`).
+
+They share a parser whose mistakes are one line. They share the engine's options too: Config's fields
+under their vLLM names.
 """
 from __future__ import annotations
 

@@ -3,26 +3,26 @@
     nanoserve serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY ...] [options]
     python -m nanoserve.serve MODEL [options]                 (the same)
 
-Three kinds of thread take part in a request:
-- uvicorn's event loop (one thread) runs the HTTP handlers (`create_completion` in
-  serving_completion.py, `create_chat_completion` in serving_chat.py with its tools in serving_tools.py,
-  `create_response` in serving_responses.py, the small ones in routes.py). A handler reads and checks the body
-  (protocol.py), takes its slots of --max-num-queued-requests or answers 429 at once, and hands the
-  slow work to
-- the tokenizer thread (serving_engine.py), which renders the chat template and tokenizes, so that
-  neither the event loop (serving every other client) nor the engine thread (stepping every other
-  request) waits on a long input. With the token ids, the handler submits one engine request per
-  choice (n per prompt) to
-- the engine thread, run by the AsyncLLM (async_llm.py draws its queue and messages): it alone calls
-  the engine, and it sends each request's deltas and output back to the handler that submitted it.
-A client that leaves is noticed on the event loop (streaming.py), which aborts its engine requests:
-their KV blocks are free before the next step. If something fails on the engine thread, the requests
-it concerns fail (500) and the loop goes on; if the loop itself dies, /health says 503 and every
-request fails at once (503) instead of hanging.
+Three kinds of thread take part in a request.
+- uvicorn's event loop (one thread) runs the HTTP handlers. They are `create_completion` in
+  serving_completion.py, `create_chat_completion` in serving_chat.py (its tools in serving_tools.py),
+  `create_response` in serving_responses.py, and the small ones in routes.py. A handler reads and checks
+  the body (protocol.py). It takes its slots of --max-num-queued-requests, or answers 429 at once.
+  It hands the slow work to the tokenizer thread.
+- The tokenizer thread (serving_engine.py) renders the chat template and tokenizes. So neither the event
+  loop (serving every other client) nor the engine thread (stepping every other request) waits on a long
+  input. With the token ids, the handler submits one engine request per choice (n per prompt).
+- The engine thread, run by the AsyncLLM, alone calls the engine. (async_llm.py draws its queue and
+  messages.) It sends each request's deltas and output back to the handler that submitted it.
 
-`build_app` makes the app: the routes, the error handlers, the API key, and a `Serving`
-(serving_engine.py) as its state, whose AsyncLLM runs while the app does (`lifespan`). For tests and
-notebooks, `ServerThread(app).start()` serves it on a free port.
+A client that leaves is noticed on the event loop (streaming.py), which aborts its engine requests.
+Their KV blocks are free before the next step. If something fails on the engine thread, the requests it
+concerns fail (500) and the loop goes on. If the loop itself dies, /health says 503. Then every request
+fails at once (503) instead of hanging.
+
+`build_app` makes the app: the routes, the error handlers, the API key, and a `Serving` as its state
+(serving_engine.py). The Serving's AsyncLLM runs while the app does (`lifespan`). For tests and
+notebooks, `ServerThread(app).start()` serves the app on a free port.
 """
 from __future__ import annotations
 
@@ -70,8 +70,10 @@ async def server_error(request: Request, error: Exception) -> Response:  # a bug
 
 
 class RequireAPIKey:
-    """ASGI middleware: every route but /health needs `Authorization: Bearer <key>`, one of the server's keys
-    (the scheme in any case; each key compared whole, in constant time), else 401."""
+    """ASGI middleware: every route but /health needs `Authorization: Bearer <key>`, else 401.
+
+    The key is one of the server's keys. The scheme may be in any case. Each key is compared whole, in
+    constant time."""
 
     def __init__(self, app: Callable, api_keys: list[str]) -> None:
         self.app, self.keys = app, [key.encode() for key in api_keys]
@@ -102,9 +104,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 def build_app(engine: LLMEngine, served_model_name: str, api_key: str | list[str] | None = None,
               limits: Limits = Limits(), chat_template: str | None = None,
               tool_call_parser: str | None = None) -> FastAPI:
-    """The HTTP app; its AsyncLLM's engine thread starts and stops with it. `api_key`: the key, or keys, a
-    request must bring (several: each is a client of its own, for fair turns and shares). `chat_template`
-    replaces the model's; `tool_call_parser` (tool_parsers.py) reads tool_choice "auto"'s calls (None: plain text)."""
+    """The HTTP app; its AsyncLLM's engine thread starts and stops with it.
+
+    `api_key` is the key, or keys, a request must bring. With several, each key is a client of its own,
+    for fair turns and shares. `chat_template` replaces the model's. `tool_call_parser` (tool_parsers.py)
+    reads tool_choice "auto"'s calls (None: plain text)."""
     api_keys = [api_key] if isinstance(api_key, str) else api_key or []
     app = FastAPI(title="nanoserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = Serving(engine, served_model_name, limits, chat_template, tool_call_parser,
@@ -122,9 +126,10 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | list[str
 # --- Running it ----------------------------------------------------------------------------------
 
 class HTTPProtocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for each request's head (request line and headers): a
-    client that connects and sends its head slowly, or never, is cut off after `header_timeout`
-    seconds instead of holding a connection for good; and with TCP_NODELAY on every connection."""
+    """uvicorn's h11 protocol with a deadline for each request's head, and TCP_NODELAY on every connection.
+
+    The head is the request line and headers. A client may connect and send its head slowly, or never.
+    It is cut off after `header_timeout` seconds, instead of holding a connection for good."""
 
     def __init__(self, *args: object, header_timeout: float, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
@@ -150,9 +155,11 @@ class HTTPProtocol(H11Protocol):
 
 
 def set_nodelay(transport: asyncio.Transport) -> None:
-    """TCP_NODELAY on a connection: a response goes out at once instead of waiting ~40 ms, Nagle's
-    algorithm holding its last small segment until the client's delayed ACK of the one before.
-    asyncio sets it only on sockets created with proto IPPROTO_TCP, which `bind`'s (proto 0) is not."""
+    """TCP_NODELAY on a connection: a response goes out at once instead of waiting ~40 ms.
+
+    Without it, Nagle's algorithm holds the last small segment. It waits for the client's delayed ACK of
+    the segment before. asyncio sets it only on sockets created with proto IPPROTO_TCP.
+    `bind`'s socket (proto 0) is not one of them."""
     sock = transport.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):  # not a Unix socket
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -160,8 +167,9 @@ def set_nodelay(transport: asyncio.Transport) -> None:
 
 def uvicorn_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, header_timeout: float = HEADER_TIMEOUT,
                    log_level: str = "warning", forwarded_allow_ips: str | None = None) -> uvicorn.Server:
-    """`forwarded_allow_ips`: the proxies whose X-Forwarded-For names the client (uvicorn's option, "*": any);
-    None trusts none (uvicorn by default trusts 127.0.0.1, so any local client could name itself anyone)."""
+    """`forwarded_allow_ips`: the proxies whose X-Forwarded-For names the client (uvicorn's option, "*": any).
+
+    None trusts none. By default uvicorn trusts 127.0.0.1, so any local client could name itself anyone."""
     http = functools.partial(HTTPProtocol, header_timeout=header_timeout)
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, http=http, log_level=log_level,
                                          proxy_headers=forwarded_allow_ips is not None,
@@ -170,7 +178,8 @@ def uvicorn_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, header_
 
 class ServerThread:
     """Run an app under uvicorn in a background thread (tests, notebooks); `port=0` picks a free one.
-    It listens on a socket made by `bind`, as `main` does, so that tests serve as the command line does."""
+
+    It listens on a socket made by `bind`, as `main` does. So tests serve as the command line does."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
                  header_timeout: float = HEADER_TIMEOUT, forwarded_allow_ips: str | None = None) -> None:
@@ -322,8 +331,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.serve")
     host, port = sock.getsockname()[:2]  # uvicorn does not say where a socket it was given listens (--port 0)
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     # Everything loaded so far (torch, the model, the tokenizer: millions of objects) lives as long as the
-    # server: freezing it keeps the garbage collector from walking it again. A full collection, which a
-    # big request body's many new lists set off, otherwise held the GIL, so every thread, for ~0.4 s.
+    # server. Freezing it keeps the garbage collector from walking it again. A big request body's many new
+    # lists set off a full collection. Without the freeze, that held the GIL (so every thread) for ~0.4 s.
     gc.collect()
     gc.freeze()
     logging.getLogger("uvicorn.error").info("serving %r at %s", name, url)

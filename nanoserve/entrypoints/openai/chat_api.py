@@ -1,6 +1,7 @@
-"""/v1/chat/completions' choices: `ChatAPI` formats the assistant's message, a role chunk first when
-streamed, and OpenAI's chat logprobs. serving_tools.py's ToolChatAPI builds on it; serving_chat.py's route
-picks one of them.
+"""/v1/chat/completions' choices.
+
+`ChatAPI` formats the assistant's message, a role chunk first when streamed, and OpenAI's chat logprobs.
+serving_tools.py's ToolChatAPI builds on it. serving_chat.py's route picks one of them.
 """
 from __future__ import annotations
 

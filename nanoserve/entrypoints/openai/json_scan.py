@@ -11,8 +11,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-# The rest of a JSON token after its first character: a string's (its closing quote in the group `closed`,
-# absent while the text stops inside it), a literal's (number, true, false, null), a run of whitespace.
+# The rest of a JSON token after its first character: a string's, a literal's, or a run of whitespace.
+# A string's closing quote is in the group `closed`, absent while the text stops inside the string.
+# A literal is a number, true, false or null.
 STRING_REST = re.compile(r'(?:[^"\\]|\\.)*(?P<closed>")?', re.DOTALL)
 LITERAL_REST = re.compile(r'[^\s{}\[\]:,"]*')
 WHITESPACE = re.compile(r"\s+")
@@ -28,12 +29,13 @@ class Span:
 
 
 class JsonScan:
-    """The members of the JSON object (key, span) or the items of the array (None, span) that begins at `start`
-    of a text that grows, as far as the text goes (up to `stop`), and where the container ends (`end`; None: not
-    closed). Nested values are skipped by counting brackets outside strings. Invalid JSON stops the reading where
-    it goes wrong, for good. Each `read` goes on from the last one's place: a token the text stopped inside (a
-    string not yet closed, a literal such as "tru") is taken up where its reading got to, so a growing text is
-    read once in all."""
+    """The members of a JSON object (key, span), or the items of an array (None, span), in a text that grows.
+
+    The container begins at `start`. The scan reads as far as the text goes (up to `stop`). It also says
+    where the container ends (`end`; None: not closed). Nested values are skipped by counting brackets
+    outside strings. Invalid JSON stops the reading where it goes wrong, for good. Each `read` goes on from
+    the last one's place. A token the text stopped inside is taken up where its reading got to. Such a
+    token is a string not yet closed, or a literal such as "tru". So a growing text is read once in all."""
 
     def __init__(self, start: int) -> None:
         self.pos = start                         # the next token begins here

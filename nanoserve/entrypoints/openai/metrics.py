@@ -1,14 +1,14 @@
 """Prometheus metrics named after vLLM's, each with a model_name label, in the app's own registry.
 
-`Metrics` is the server's stat logger: AsyncLLM's engine thread tells it of each request added, step
-run and request finished (engine_loop.StatLogger) before the request's handler hears of them, and
-/metrics shows the registry. Times count from a request's arrival, the HTTP request's (its wait for
-the tokenizer and the engine thread is in them). As vLLM:
-- time to first token is observed at the request's first token, so a running request's shows while it
-  runs, and an aborted stream that got a token counts;
-- e2e latency only for requests that ran to the end: an aborted one's says when its client left;
-- queue time runs until the request is first scheduled, and its prompt tokens count from then (a
-  request aborted while it waits was never served).
+`Metrics` is the server's stat logger (engine_loop.StatLogger). AsyncLLM's engine thread tells it of
+each request added, step run and request finished. It hears before the request's handler does.
+/metrics shows the registry. Times count from a request's arrival, the HTTP request's. So they include
+its wait for the tokenizer and the engine thread. As vLLM:
+- Time to first token is observed at the request's first token. So a running request's shows while it
+  runs, and an aborted stream that got a token counts.
+- e2e latency is only for requests that ran to the end. An aborted one's says when its client left.
+- Queue time runs until the request is first scheduled, and its prompt tokens count from then.
+  A request aborted while it waits was never served.
 """
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
-"""The OpenAI-compatible API's side of a request before it reaches the engine: the request bodies,
-how they are read and checked, the errors they get, and the server's limits.
+"""The OpenAI-compatible API's side of a request, before it reaches the engine.
+
+This file holds the request bodies, how they are read and checked, the errors they get, and the
+server's limits.
 
 Bodies are strict, as OpenAI's API: "5" is not an int and true is not a number. A field left out or
-null takes the default. Unknown fields are ignored (and logged); UNSUPPORTED ones are refused unless
+null takes the default. Unknown fields are ignored (and logged). UNSUPPORTED ones are refused, unless
 they hold the value that means "not used". Every error is an `APIError`: an HTTP status and OpenAI's
 error body, naming the field at fault.
 """
@@ -30,25 +32,26 @@ class Limits:
     max_body_bytes: int = 8 * 2**20                # 413 past this; the body is read no further
     max_stop: int = 32                             # stop strings, and stop_token_ids, per request
     max_stop_chars: int = 1024                     # characters in one stop string
-    # Completions (prompts x n) in flight: tokenizing, waiting or running in the engine, not only queued; more: 429.
-    # None: 4 x the engine's max_num_seqs (Serving.max_in_flight), a running batch and three more waiting.
+    # Completions (prompts x n) in flight: tokenizing, waiting or running in the engine, not only queued.
+    # More get 429. None: 4 x the engine's max_num_seqs (Serving.max_in_flight), a running batch and three
+    # more waiting.
     max_num_queued_requests: int | None = None
-    # Of those, what one client (the body's `user`, else its API key, else its address) may hold; more: 429.
-    # None: 7/8 of max_num_queued_requests, so that one client cannot make 429s for the others.
+    # Of those, what one client (its API key where the server takes several, else its address) may hold.
+    # More get 429. None: 7/8 of max_num_queued_requests, so that one client cannot make 429s for the others.
     max_num_queued_requests_per_client: int | None = None
     max_n: int = 128                               # completions of one prompt (n): OpenAI's limit
-    # Bytes of text in one request's prompts or messages together (at least what one prompt may hold),
-    # and token ids in one /detokenize (at least max_model_len): a bound on one request's tokenizer time.
+    # Bytes of text in one request's prompts or messages together (at least what one prompt may hold).
+    # Token ids in one /detokenize (at least max_model_len). Both bound one request's tokenizer time.
     max_request_prompt_bytes: int = 2**20
     max_detokenize_tokens: int = 2**16
     # Completions (prompts x n) of one request: twice max_n, one default engine batch (max_num_seqs 256).
     max_completions_per_request: int = 256
-    # Seconds a stream may wait for its client to take a chunk (the socket's buffers full) before its
-    # connection is closed: a client that stops reading holds no more than this.
+    # Seconds a stream may wait for its client to take a chunk (the socket's buffers full). Then its
+    # connection is closed. So a client that stops reading holds no more than this.
     write_timeout: float = 30.0
-    # Structured outputs (response_format, structured_outputs), checked before xgrammar sees them: bytes of
-    # the schema, regex, grammar or choices; nesting of the schema and of brackets in patterns, regexes and
-    # grammars; seconds a request waits for its grammar's compile (past it, a 400).
+    # Structured outputs (response_format, structured_outputs), checked before xgrammar sees them.
+    # Bytes of the schema, regex, grammar or choices. Nesting of the schema, and of brackets in patterns,
+    # regexes and grammars. Seconds a request waits for its grammar's compile (past it, a 400).
     max_grammar_bytes: int = 64 * 1024
     max_grammar_depth: int = 64
     max_grammar_compile_seconds: float = 10.0
@@ -79,8 +82,10 @@ def shorten(text: str, limit: int = 100) -> str:
 
 
 def engine_error(error: Exception) -> APIError:
-    """An AsyncLLM failure as the client sees it: bad input (add_request's ValueError) a 400 naming the
-    field, a failed step or add_request a 500, a dead engine loop a 503."""
+    """An AsyncLLM failure as the client sees it.
+
+    Bad input (add_request's ValueError) is a 400 naming the field. A failed step or add_request is a 500.
+    A dead engine loop is a 503."""
     if isinstance(error, EngineDeadError):
         return APIError(str(error), status=503)
     if isinstance(error, EngineGenerateError):
@@ -289,10 +294,12 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 async def read_json(request: Request, limit: int, max_values: int) -> dict:
-    """The body as a JSON object; 413 past `limit` bytes (read no further) or past `max_values` commas,
-    400 if it is no JSON object. json.loads holds the GIL while it builds the body's objects (~0.1 s for
-    200,000 small lists, so every stream and /health wait); counting the commas first, an upper bound on
-    its values, costs ~1 ms per MiB."""
+    """The body as a JSON object.
+
+    A 413 past `limit` bytes (read no further) or past `max_values` commas. A 400 if it is no JSON object.
+    json.loads holds the GIL while it builds the body's objects. That took ~0.1 s for 200,000 small lists,
+    and every stream and /health waited. The commas are an upper bound on the values. Counting them first
+    costs ~1 ms per MiB."""
     too_large = APIError(f"the request body is larger than {limit} bytes, this server's limit", status=413)
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -350,8 +357,10 @@ def check_logprobs(field: str, value: int | None) -> None:
 
 
 def template_messages(messages: list[Message]) -> list[dict]:
-    """Messages as chat templates take them; content given as a list of text parts is joined by
-    newlines (as vLLM does). An assistant's tool_calls and a tool message's tool_call_id go along."""
+    """Messages as chat templates take them.
+
+    Content given as a list of text parts is joined by newlines (as vLLM does). An assistant's tool_calls
+    and a tool message's tool_call_id go along."""
     result = []
     for i, m in enumerate(messages):
         if m.content is None and not m.tool_calls:
@@ -370,8 +379,10 @@ def template_messages(messages: list[Message]) -> list[dict]:
 
 
 def template_tool_call(call: MessageToolCall) -> dict:
-    """A call as transformers' chat templates take it: the arguments as a dict (templates write them with
-    tojson; a string would be quoted twice), as vLLM passes them. Arguments that are no JSON object stay text."""
+    """A call as transformers' chat templates take it: the arguments as a dict, as vLLM passes them.
+
+    Templates write the arguments with tojson, so a string would be quoted twice. Arguments that are no
+    JSON object stay text."""
     try:
         arguments = json.loads(call.function.arguments)
     except ValueError:

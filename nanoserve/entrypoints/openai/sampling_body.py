@@ -1,7 +1,7 @@
 """A request body's sampling fields as the engine's SamplingParams, checked (a 400 names the field).
 
-Both APIs read their bodies through `sampling_params`.
-OpenAI's logit_bias and response_format, and vLLM's structured_outputs, are turned into SamplingParams' terms here.
+Both APIs read their bodies through `sampling_params`. OpenAI's logit_bias and response_format, and
+vLLM's structured_outputs, are turned into SamplingParams' terms here.
 """
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from nanoserve.sampler import InvalidRequest
 
 
 def sampling_params(body: SamplingBody, api: API, max_tokens: int | None, limits: Limits) -> SamplingParams:
-    """The body's SamplingParams, checked by SamplingParams itself (a 400 names the field). max_tokens
-    None (chat: up to the end of the context) is settled once the prompt is tokenized (`fit_to_context`)."""
+    """The body's SamplingParams, checked by SamplingParams itself (a 400 names the field).
+
+    max_tokens None means up to the end of the context (chat). It is settled once the prompt is tokenized
+    (`fit_to_context`)."""
     n = given(body.n, 1)
     if not 1 <= n <= limits.max_n:  # SamplingParams takes any n >= 1: this server bounds one request's work
         raise APIError(f"n must be from 1 to {limits.max_n}, this server's limit; got {n}", param="n")
@@ -46,9 +48,11 @@ def sampling_params(body: SamplingBody, api: API, max_tokens: int | None, limits
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's logit_bias, {"token id": bias}, as SamplingParams takes it: ids in ASCII decimal ("²" and "٣" are
-    digits to str.isdigit, not to OpenAI), at most 10 digits (int() of 5,000 digits raises), biases finite and
-    clamped to [-100, 100] as vLLM does. Ids past the vocabulary are refused by add_request."""
+    """OpenAI's logit_bias, {"token id": bias}, as SamplingParams takes it.
+
+    Ids are in ASCII decimal: "²" and "٣" are digits to str.isdigit, not to OpenAI. Ids have at most 10
+    digits, since int() of 5,000 digits raises. Biases are finite, and clamped to [-100, 100] as vLLM does.
+    Ids past the vocabulary are refused by add_request."""
     if not bias:
         return None
     if bad := [key for key in bias if not (key.isascii() and key.isdigit() and len(key) <= 10)]:
@@ -65,9 +69,10 @@ def grammar_field(body: SamplingBody) -> str:
 
 
 def structured_outputs(body: SamplingBody, limits: Limits) -> StructuredOutputsParams | None:
-    """vLLM's structured_outputs extra, or OpenAI's response_format (json_object or json_schema), or None; both
-    is a 400 (one kind of structured output per request, as vLLM). A spec past the limits is a 400 before
-    anything parses it (`Serving.compile_grammar`, in the tokenizer thread)."""
+    """vLLM's structured_outputs extra, or OpenAI's response_format (json_object or json_schema), or None.
+
+    Both is a 400: one kind of structured output per request, as vLLM. A spec past the limits is a 400
+    before anything parses it (`Serving.compile_grammar`, in the tokenizer thread)."""
     response_format = body.response_format
     if response_format is not None and response_format.type == "text":
         response_format = None

@@ -1,8 +1,8 @@
 """/v1/chat/completions: messages formatted by the tokenizer's chat template, as LLM.chat does.
 
-chat_api.py's `ChatAPI` formats the choices (the assistant's message, a role chunk first when streamed,
-and OpenAI's chat logprobs); `create_chat_completion` is the route's handler. With tools, serving_tools.py's
-ToolChatAPI formats them instead.
+chat_api.py's `ChatAPI` formats the choices: the assistant's message, a role chunk first when streamed,
+and OpenAI's chat logprobs. With tools, serving_tools.py's ToolChatAPI formats them instead.
+`create_chat_completion` is the route's handler.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """/v1/completions: a prompt (a string or token ids) or a list of them, n completions of each.
 
-`CompletionAPI` formats the choices: the text (token ids without a tokenizer), echo (the prompt
-first, or alone with max_tokens 0), logprobs as OpenAI's completions write them, and vLLM's
-prompt_logprobs. `create_completion` is the route's handler.
+`CompletionAPI` formats the choices. It shows the text, or token ids without a tokenizer. It shows echo:
+the prompt first, or alone with max_tokens 0. It shows logprobs as OpenAI's completions write them, and
+vLLM's prompt_logprobs. `create_completion` is the route's handler.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class CompletionAPI(Formatter):
         self.num_top, self.show_prompt_logprobs = body.logprobs, body.prompt_logprobs is not None
         self.echoed: set[int] = set()                          # choices whose prompt was shown
         # A streamed choice's text_offset so far: the length of its token strings sent, as the whole
-        # response counts them (not its text's length: "<s>" is a token string, not text).
+        # response counts them. It is not its text's length: "<s>" is a token string, not text.
         self.num_chars: dict[int, int] = collections.Counter()
 
     @staticmethod
@@ -57,8 +57,9 @@ class CompletionAPI(Formatter):
         return body.logprobs, given(body.prompt_logprobs, body.logprobs if body.echo else None)
 
     def show(self, index: int, result: RequestOutput | RequestDelta) -> Shown:
-        """The completion (a whole output, or a streamed delta); with echo, the prompt first (in a
-        choice's first chunk), or alone with max_tokens 0."""
+        """The completion: a whole output, or a streamed delta.
+
+        With echo, the prompt comes first (in a choice's first chunk), or alone with max_tokens 0."""
         if isinstance(result, RequestOutput):
             completion = result.outputs[0]
             text, token_ids, logprobs, finish_reason = (completion.text, completion.token_ids, completion.logprobs,
@@ -97,11 +98,13 @@ class CompletionAPI(Formatter):
                     finish_reason=shown.finish_reason)
 
     def logprobs_object(self, shown: Shown, offset: int) -> dict | None:
-        """OpenAI's completions logprobs, as vLLM writes them: per token its string, its logprob and
-        top_logprobs {string: logprob} (the token's own, then the num_top most likely: num_top or
-        num_top + 1 entries; tokens whose strings coincide share an entry), None for a prompt's first
-        token; text_offset: where its string starts after the strings before it, from `offset` (the
-        token strings a stream sent before: its chunks' offsets, end to end, are the whole response's)."""
+        """OpenAI's completions logprobs, as vLLM writes them.
+
+        Per token: its string, its logprob, and top_logprobs {string: logprob}. A prompt's first token has
+        None. top_logprobs holds the token's own, then the num_top most likely: num_top or num_top + 1
+        entries. Tokens whose strings coincide share an entry. text_offset says where a token's string
+        starts, after the strings before it. It counts from `offset`, the token strings a stream sent
+        before. So a stream's chunks' offsets, end to end, are the whole response's."""
         if shown.logprobs is None:
             return None
         tokens = [self.strings[t] for t in shown.token_ids]
@@ -128,8 +131,9 @@ def prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[s
 
 
 def check_num_prompts(prompt: object, limit: int) -> None:
-    """A list of more prompts than one request may have completions is refused before the body is
-    validated: checking 200,000 prompts alone held the event loop for over a second."""
+    """Refuse more prompts than one request may have completions, before the body is validated.
+
+    Checking 200,000 prompts alone held the event loop for over a second."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) > limit:
         raise APIError(f"{len(prompt)} prompts, more than this server completes in one request ({limit}, "
                        f"--max-completions-per-request)", param="prompt")

@@ -182,25 +182,25 @@ class Serving:
         self.tokenizer_thread = TokenizerThread()  # its jobs taken in turns across clients
         self.vocab_size = engine.vocab_size
         self.token_strings = TokenStrings(self.tokenizer, self.vocab_size)
-        # Completions of accepted HTTP requests that the engine has not finished (event loop only), and
-        # their bound: what --max-num-queued-requests says, by default what the engine runs at once x 4.
+        # Completions of accepted HTTP requests that the engine has not finished (event loop only).
+        # Their bound is what --max-num-queued-requests says; by default what the engine runs at once x 4.
         self.num_in_flight = 0
         self.max_in_flight = limits.max_num_queued_requests or 4 * engine.config.max_num_seqs
         # and per client (`client_key`): what each holds, and its bound
         self.in_flight_by_client: collections.Counter[str] = collections.Counter()
         self.max_in_flight_per_client = (limits.max_num_queued_requests_per_client
                                          or self.max_in_flight - self.max_in_flight // 8)
-        # A token covers at most this many bytes of text: a text longer than max_model_len of them
-        # cannot fit, and is refused untokenized. (A token's vocabulary entry has at least the bytes of
-        # the text it covers, at most half more after Unicode normalization: x2 for safety.)
+        # A token covers at most this many bytes of text. A text longer than max_model_len of them
+        # cannot fit, and is refused untokenized. A token's vocabulary entry has at least the bytes of
+        # the text it covers. After Unicode normalization the text has at most half more: x2 for safety.
         longest = max((len(t.encode()) for t in self.tokenizer.get_vocab()), default=1) if self.tokenizer else 1
         self.max_prompt_bytes = 2 * longest * self.max_model_len
-        # All of one request's prompts (or messages) together: at least what one prompt may hold. Without
-        # it, three 2.6 MB prompts (each under SmolLM2's bound) held the tokenizer thread for 7 s.
+        # All of one request's prompts (or messages) together: at least what one prompt may hold.
+        # Without it, three 2.6 MB prompts (each under SmolLM2's bound) held the tokenizer thread for 7 s.
         self.max_request_prompt_bytes = max(limits.max_request_prompt_bytes, self.max_prompt_bytes)
-        # Values (commas) in one body, counted before it is parsed: twice the tokens that one request's
-        # completions can hold (a comma is at least half a token of text, or one token id), and room for the
-        # rest of the body. A 200,000-prompt body is refused without building its 600,000 objects.
+        # Values (commas) in one body, counted before it is parsed. The bound is twice the tokens that one
+        # request's completions can hold, and room for the rest of the body. A comma is at least half a token
+        # of text, or one token id. A 200,000-prompt body is refused without building its 600,000 objects.
         self.max_body_values = 2 * limits.max_completions_per_request * self.max_model_len + 4096
         if self.tokenizer is not None:  # the first encode may reset truncation/padding settings: not while the
             self.tokenizer.encode("")   # engine thread decodes with the same tokenizer ("Already borrowed")

@@ -1,12 +1,16 @@
 """POST /v1/responses: OpenAI's Responses API, stateless, served by the chat completions' machinery.
 
-A Responses body becomes a chat body (`chat_body`): `instructions` a system message first; `input` the
-messages (a string: one user message; a list: message items, the assistant's function_call items, and
-function_call_output items as "tool" messages); max_output_tokens as max_tokens; text.format as
-response_format; the flat function tools as chat tools, read as serving_tools.py reads them. It is served
-as one chat choice (serving_chat.serve_chat), and `answer` gives the result the Responses API's shape: a
-`response` object whose `output` holds a `message` item (its text as `output_text`) and a `function_call`
-item per call, or the stream of events that the openai client's stream helper reads:
+A Responses body becomes a chat body (`chat_body`), field by field.
+- `instructions` becomes a system message, first.
+- `input` becomes the messages. A string is one user message. A list holds message items, the
+  assistant's function_call items, and function_call_output items (as "tool" messages).
+- max_output_tokens becomes max_tokens, and text.format becomes response_format.
+- The flat function tools become chat tools, read as serving_tools.py reads them.
+
+The chat body is served as one chat choice (serving_chat.serve_chat). `answer` gives the result the
+Responses API's shape. A whole response is a `response` object. Its `output` holds a `message` item
+(its text as `output_text`) and a `function_call` item per call. A stream is the events that the openai
+client's stream helper reads:
 
     response.created, response.in_progress
     response.output_item.added (message) -> response.content_part.added -> response.output_text.delta ...
@@ -14,8 +18,8 @@ item per call, or the stream of events that the openai client's stream helper re
     at the end, per item: response.output_text.done, response.content_part.done / response.function_call_arguments.done,
     then response.output_item.done; last response.completed (its status "incomplete" past max_output_tokens)
 
-Stateless: nothing is stored, so previous_response_id and store=true are refused (400); the client sends
-the whole conversation each time (`input` plus the last response's `output` items).
+Stateless: nothing is stored, so previous_response_id and store=true are refused (400). The client sends
+the whole conversation each time: `input` plus the last response's `output` items.
 """
 from __future__ import annotations
 
@@ -62,8 +66,10 @@ RESPONSES_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "res
 
 
 def responses_error(error: APIError) -> APIError:
-    """A chat request's error as a Responses client reads it: its param and the field names in its message are
-    the Responses body's (`input`, not `messages`; `max_output_tokens`, not `max_tokens`)."""
+    """A chat request's error as a Responses client reads it.
+
+    Its param and the field names in its message become the Responses body's. That is `input`, not
+    `messages`, and `max_output_tokens`, not `max_tokens`."""
     message = error.message
     for chat_name, name in RESPONSES_FIELDS.items():
         message = re.sub(rf"\b{chat_name}\b", name, message)
@@ -107,8 +113,10 @@ def chat_body(body: ResponsesBody) -> ChatBody:
 
 
 def input_messages(items: str | list[dict]) -> list[dict]:
-    """`input` as chat messages: a string is one user message; function_call items join the assistant
-    message before them (or make one), function_call_output items are "tool" messages."""
+    """`input` as chat messages: a string is one user message.
+
+    function_call items join the assistant message before them, or make one. function_call_output items are
+    "tool" messages."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict] = []
@@ -166,8 +174,8 @@ async def answer(generation: Generation, api: ChatAPI, head: dict, body: Respons
     items = [message_item(message["content"])] if message["content"] else []
     items += [call_item(call["id"], call["function"]["name"], call["function"]["arguments"])
               for call in message.get("tool_calls", [])]
-    # json.dumps' ASCII escapes: a lone surrogate echoed from the body ("\ud800" in a tool's description) is JSON
-    # as it came; JSONResponse's UTF-8 could not encode it (a 500)
+    # json.dumps' ASCII escapes keep a lone surrogate echoed from the body ("\ud800" in a tool's description)
+    # as JSON, as it came. JSONResponse's UTF-8 could not encode it (a 500).
     return Response(json.dumps(response_object(body, head, items, choice["finish_reason"], api.usage(outputs))),
                     media_type="application/json")
 
@@ -298,6 +306,6 @@ async def response_events(generation: Generation, api: ChatAPI, head: dict, body
     for event in events.finish():
         yield event
     final = response_object(body, head, events.items, finish_reason or "stop", api.usage(outputs))
-    # response.completed even when the response is incomplete (its status says so): the openai client's
-    # stream helper ends only with it (get_final_response), as vLLM sends it
+    # response.completed even when the response is incomplete (its status says so), as vLLM sends it.
+    # The openai client's stream helper ends only with it (get_final_response).
     yield events.event("response.completed", response=final)

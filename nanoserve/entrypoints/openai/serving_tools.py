@@ -1,17 +1,20 @@
-"""Tools on /v1/chat/completions (and /v1/responses, which reuses them): the checks, the tools as the chat
-template takes them, the grammar of a forced call, and `ToolChatAPI`, the chat choices with tool calls.
+"""Tools on /v1/chat/completions, and on /v1/responses, which reuses them.
 
-tool_choice says how a choice's text is read (OpenAI's names, vLLM's behaviour):
-- "none": plain text, never parsed (the tools still reach the chat template);
+This file holds the checks, the tools as the chat template takes them, and the grammar of a forced call.
+It also holds `ToolChatAPI`, the chat choices with tool calls.
+
+tool_choice says how a choice's text is read (OpenAI's names, vLLM's behaviour).
+- "none": plain text, never parsed. The tools still reach the chat template.
 - "auto" (the default with tools): read by the server's tool parser (--enable-auto-tool-choice
-  --tool-call-parser hermes); without one, plain text;
-- "required", or a named function ({"type": "function", "function": {"name": ...}}): the output follows a
-  grammar built from the tools' JSON schemas (structured_outputs.py), so the call always parses and its
-  arguments match the schema. A named function's output is its arguments alone; "required"'s is a JSON
-  array of {"name": ..., "parameters": {...}}, one item if parallel_tool_calls is false.
+  --tool-call-parser hermes). Without a parser, plain text.
+- "required", or a named function ({"type": "function", "function": {"name": ...}}). The output follows a
+  grammar built from the tools' JSON schemas (structured_outputs.py). So the call always parses, and its
+  arguments match the schema. A named function's output is its arguments alone. "required"'s output is a
+  JSON array of {"name": ..., "parameters": {...}}, one item if parallel_tool_calls is false.
+
 The calls themselves are read by tool_parsers.py. A choice with calls ends with finish_reason "tool_calls"
-where the output stopped by itself with every call's arguments whole; "length" stays "length" (the last
-call's arguments cut short, as OpenAI answers).
+where the output stopped by itself with every call's arguments whole. "length" stays "length", the last
+call's arguments cut short (as OpenAI answers).
 """
 from __future__ import annotations
 
@@ -59,8 +62,9 @@ def is_forced(body: ChatBody) -> bool:
 
 
 def check_tools(body: ChatBody) -> None:
-    """On the event loop: tools and tool_choice as OpenAI takes them and within this server's bounds; a 400
-    names the field. (Each schema's shape is checked in the tokenizer thread: `check_tool_schemas`.)"""
+    """On the event loop: tools and tool_choice as OpenAI takes them, and within this server's bounds.
+
+    Else a 400 names the field. Each schema's shape is checked in the tokenizer thread (`check_tool_schemas`)."""
     tools = body.tools or []
     if len(tools) > MAX_TOOLS:
         raise APIError(f"tools has {len(tools)} entries; this server takes at most {MAX_TOOLS}", param="tools")
@@ -92,11 +96,14 @@ JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null
 
 
 def check_tool_schemas(tools: list[Tool] | None, limits: Limits) -> None:
-    """In the tokenizer thread: each function's parameters shaped as a JSON schema (an object whose `type` names JSON
-    types) and within the grammar bounds (grammar_bounds.py: bytes, depth, quantifiers, keywords no output can
-    satisfy), else a 400. Plain Python, in time linear in the tools' bytes (MAX_TOOLS_BYTES: at most ~0.2 s): no
-    schema is parsed by xgrammar here. Only a forced tool_choice's grammar is, compiled in a grammar worker's
-    process like any other (parsing every tool under "none" took 1.4 s a request for 128 tools nested 62 deep)."""
+    """In the tokenizer thread: check each function's parameters, else a 400.
+
+    They must be shaped as a JSON schema: an object whose `type` names JSON types. They must be within the
+    grammar bounds (grammar_bounds.py: bytes, depth, quantifiers, keywords no output can satisfy).
+    The check is plain Python, in time linear in the tools' bytes (MAX_TOOLS_BYTES: at most ~0.2 s).
+    No schema is parsed by xgrammar here. Only a forced tool_choice's grammar is. It is compiled in a
+    grammar worker's process like any other. Parsing every tool under "none" took 1.4 s a request, for
+    128 tools nested 62 deep."""
     for i, tool in enumerate(tools or []):
         schema, where = parameters_schema(tool.function), f"tools.{i}.function.parameters"
         types = schema.get("type", "object")
@@ -130,8 +137,10 @@ def forced_schema(body: ChatBody) -> dict | None:
 
 
 def prepare_tools(body: ChatBody, auto_parser: str | None) -> tuple[ChatBody, type[ChatAPI]]:
-    """The checked body, with a forced call's grammar as its structured_outputs, and the formatter that
-    shows its choices: ChatAPI without tools, else the ToolChatAPI of the server's parser for "auto"."""
+    """The checked body, with a forced call's grammar as its structured_outputs, and its formatter.
+
+    The formatter shows the body's choices. It is ChatAPI without tools, else the ToolChatAPI of the
+    server's parser for "auto"."""
     check_tools(body)
     if not body.tools:
         return body, ChatAPI
@@ -154,8 +163,9 @@ def tool_finish_reason(engine_reason: str | None, calls: list[ToolCall]) -> str 
 
 
 class ToolChatAPI(ChatAPI):
-    """/v1/chat/completions' choices with tool calls read from each choice's text (see the module's
-    docstring), streamed or whole; a subclass per --tool-call-parser names the parser of "auto"."""
+    """/v1/chat/completions' choices, streamed or whole, with tool calls read from each choice's text.
+
+    The module's docstring says how. A subclass per --tool-call-parser names the parser of "auto"."""
     auto_parser: Parser | None = None  # tool_choice "auto": None answers plain text
 
     def __init__(self, body: ChatBody, *args: object) -> None:
@@ -211,9 +221,11 @@ class ToolChatAPI(ChatAPI):
         return dict(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
 
     def are_calls(self, calls: list[ToolCall]) -> bool:
-        """Under "auto", each whole call names a declared tool and its arguments are a JSON object: else the
-        output is no call (`{"city": Bath}`, `{"city": "Bath",}`, an undeclared function came back as calls with
-        finish_reason "tool_calls"). A call cut short (max_tokens) stays a call, as OpenAI answers."""
+        """Under "auto": each whole call names a declared tool, and its arguments are a JSON object.
+
+        Else the output is no call. Without this check, `{"city": Bath}`, `{"city": "Bath",}` and an
+        undeclared function came back as calls, with finish_reason "tool_calls". A call cut short
+        (max_tokens) stays a call, as OpenAI answers."""
         return not self.checks_calls or all(not call.complete or call.name in self.declared
                                             and is_json_object(call.arguments) for call in calls)
 

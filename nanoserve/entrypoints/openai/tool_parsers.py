@@ -1,27 +1,30 @@
 """Tool calls read out of a model's text: the hermes format, and the JSON a forced call's grammar writes.
 
-A parser reads one output as it grows (`ToolReader.read(text, final)`, given the whole text so far each time):
-it returns the content new since the last reading, and keeps the calls the text so far shows for certain.
-`final` says the text is the whole output; before that, whatever might still turn into something else is held
-back (a "<tool_ca" that may become a tag, trailing whitespace that may end up between two calls, a call whose
-name is not complete). What a reader shows only grows as the text does: the content, the list of calls, each
-call's arguments. So a stream sends the differences (`ToolCallStream`), and what it sends adds up to the whole
-text's parse (`parse`: one reading of the whole text), however the text was cut into deltas: one token at a
+A parser reads one output as it grows (`ToolReader.read(text, final)`). Each time it is given the whole
+text so far. It returns the content new since the last reading. It keeps the calls that the text so far
+shows for certain. `final` says the text is the whole output. Before that, whatever might still turn into
+something else is held back. A "<tool_ca" may become a tag. Trailing whitespace may end up between two
+calls. A call's name may not be complete yet.
+
+What a reader shows only grows as the text does: the content, the list of calls, each call's arguments.
+So a stream sends the differences (`ToolCallStream`). What it sends adds up to the whole text's parse
+(`parse`: one reading of the whole text). That holds however the text was cut into deltas: one token at a
 time, or several (speculative decoding).
 
-Each reading goes on where the last one stopped (`JsonScan`, in json_scan.py, keeps its place in the JSON,
-a reader its place in the text): a stream's parsing costs time linear in its output's length.
-(Parsing the whole text again at each delta cost a 4,900-delta call 16.5 s of event loop, 6.5 ms for its last delta.)
+Each reading goes on where the last one stopped. `JsonScan` (json_scan.py) keeps its place in the JSON,
+and a reader its place in the text. So a stream's parsing costs time linear in its output's length.
+Parsing the whole text again at each delta cost a 4,900-delta call 16.5 s of event loop, 6.5 ms for its
+last delta.
 
-A call's `arguments` is the JSON text of the arguments as the model wrote it (OpenAI's shape: a string),
-cut short where the output was (max_tokens).
+A call's `arguments` is the JSON text of the arguments as the model wrote it (OpenAI's shape: a string).
+It is cut short where the output was (max_tokens).
 
 The formats:
-- hermes (Qwen2.5/3, Hermes and many fine-tunes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-  any number of them, text around them is content;
-- llama3_json (Llama 3.1/3.2): the whole output one JSON object `{"name": ..., "parameters": {...}}`, or
-  several joined by "; ";
-- a named function forced (tool_choice {"type": "function", ...}): the output is the arguments;
+- hermes (Qwen2.5/3, Hermes and many fine-tunes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+  Any number of them; the text around them is content.
+- llama3_json (Llama 3.1/3.2): the whole output is one JSON object `{"name": ..., "parameters": {...}}`,
+  or several joined by "; ".
+- A named function forced (tool_choice {"type": "function", ...}): the output is the arguments.
 - tool_choice "required": the output is a JSON array of {"name": ..., "parameters": {...}}.
 """
 from __future__ import annotations
@@ -55,8 +58,10 @@ class Parsed:
 
 @dataclass(frozen=True)
 class CallRead:
-    """A call as read so far: its arguments are text[start:end], or `fixed` where the call has no arguments
-    member ("{}" once its object is closed), so a stream slices only the piece it has not sent."""
+    """A call as read so far: its arguments are text[start:end].
+
+    Where the call has no arguments member, they are `fixed` instead ("{}" once its object is closed).
+    So a stream slices only the piece it has not sent."""
     name: str
     start: int
     end: int
@@ -73,9 +78,10 @@ class CallRead:
 
 
 def read_call(text: str, scan: JsonScan, stop: int, arguments_keys: tuple[str, ...]) -> CallRead | None:
-    """The call that the JSON object `scan` reads (perhaps cut short at stop) writes: {"name": ..., <arguments
-    key>: {...}}; None until its name is complete. Without an arguments member, a closed object's arguments
-    are {}."""
+    """The call written by the JSON object that `scan` reads (perhaps cut short at stop).
+
+    The object is {"name": ..., <arguments key>: {...}}. None until its name is complete.
+    Without an arguments member, a closed object's arguments are {}."""
     name_span = scan.span("name")
     if name_span is None or name_span.end is None:
         return None
@@ -99,9 +105,11 @@ def partial_suffix(text: str, tag: str, start: int = 0) -> int:
 
 
 class ToolReader:
-    """One output's calls and content, read as the output grows: `read(text, final)` takes the whole text so far
-    (each time the last one's text and more) and returns the content new since the last reading; `calls` are
-    the calls so far. The last call may still change while its JSON is open (`show_call`)."""
+    """One output's calls and content, read as the output grows.
+
+    `read(text, final)` takes the whole text so far: each time the last one's text and more. It returns the
+    content new since the last reading. `calls` are the calls so far. The last call may still change while
+    its JSON is open (`show_call`)."""
 
     def __init__(self) -> None:
         self.calls: list[CallRead] = []
@@ -120,9 +128,11 @@ class ToolReader:
 
 
 class HermesReader(ToolReader):
-    """hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the text around them is
-    content, and so is a block whose JSON has no name once it is closed. Trailing whitespace of the content
-    waits (it may lie before a call), and is dropped at the end of an output with calls."""
+    """hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
+
+    The text around them is content. So is a block whose JSON has no name, once it is closed. Trailing
+    whitespace of the content waits, since it may lie before a call. It is dropped at the end of an output
+    with calls."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -174,8 +184,10 @@ class HermesReader(ToolReader):
 
 
 class Llama3JsonReader(ToolReader):
-    """llama3_json: an output that begins with '{' (after whitespace, or Llama's <|python_tag|>) is calls,
-    {"name": ..., "parameters": {...}} objects joined by ";"; any other output is content."""
+    """llama3_json: an output that begins with '{' is calls; any other output is content.
+
+    The '{' may follow whitespace, or Llama's <|python_tag|>. The calls are {"name": ..., "parameters": {...}}
+    objects joined by ";"."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -267,8 +279,10 @@ def new_call_id() -> str:
 
 
 class ToolCallStream:
-    """One choice's output as a stream sends it: read on at each delta, and what is new since the last delta
-    is sent: content, a call's index, id and name once, then pieces of its arguments. At most `max_calls` calls
+    """One choice's output as a stream sends it.
+
+    The output is read on at each delta, and what is new since the last delta is sent. That is content,
+    a call's index, id and name once, then pieces of its arguments. At most `max_calls` calls are sent
     (parallel_tool_calls false: 1). Each delta costs time in its own length, not the output's."""
 
     def __init__(self, parser: Parser, max_calls: int | None) -> None:
