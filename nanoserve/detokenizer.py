@@ -61,7 +61,7 @@ class Detokenizer:
 
 def advance(s: str, table: list[int], k: int, new: str) -> int:
     """Given that s[:k] ends a text, the length of s's longest beginning that ends the text + new.
-    k <= len(s). k is all of s when the stop string came before min_tokens, and did not count."""
+    Here k <= len(s). k is all of s when the stop string came before min_tokens, and did not count."""
     for char in new:
         # s[:k] cannot grow by char (or is all of s): fall back to its longest end that begins s
         while k == len(s) or k and s[k] != char:

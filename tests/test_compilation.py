@@ -169,15 +169,15 @@ def mixed_step(block_size: int = 4):
 
 
 def test_the_plan_goes_through_the_op_as_it_was_built():
-    """The torch backend's plan, made flat tensors (`plan_tensors`) and read back in the op (`read_plan`),
+    """The torch backend's plan, made flat tensors (`flatten_plan`) and read back in the op (`unflatten_plan`),
     is the plan eager attention uses: every group's rows, block table and bias, every chunk's bounds,
     table and mask. Catches a group cut at the wrong row, a table or bias split at another width, or a
     chunk's bottom-right mask lost."""
     batch, _ = mixed_step()
     plan = plan_attention(batch, 4, torch.float32)
     assert len(plan.decode_groups) == 2 and len(plan.prefill_requests) == 2
-    tensors = compilation.plan_tensors(plan, torch.float32)
-    again = compilation.read_plan(*tensors, block_size=4)
+    tensors = compilation.flatten_plan(plan, torch.float32)
+    again = compilation.unflatten_plan(*tensors, block_size=4)
     assert torch.equal(again.slot_mapping, plan.slot_mapping)
     for ours, theirs in zip(again.decode_groups, plan.decode_groups, strict=True):
         for name in ("rows", "block_table", "bias"):
@@ -199,5 +199,5 @@ def test_the_torch_attention_op_passes_opcheck():
     num_tokens = batch.input_ids.shape[0]
     q, k, v = torch.randn(num_tokens, 4, 8), torch.randn(num_tokens, 2, 8), torch.randn(num_tokens, 2, 8)
     kv_cache = torch.randn(2, 3, num_blocks, 4, 2, 8)  # [2, layers, blocks, block_size, Hkv, D]
-    plan = compilation.plan_tensors(plan_attention(batch, 4, torch.float32), torch.float32)
+    plan = compilation.flatten_plan(plan_attention(batch, 4, torch.float32), torch.float32)
     torch.library.opcheck(torch.ops.nanoserve.paged_attention.default, (q, k, v, kv_cache, 1, list(plan), 0.3))

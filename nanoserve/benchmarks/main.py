@@ -1,6 +1,6 @@
 """Benchmark: nanoserve (continuous and static) vs transformers (static generate and continuous
-batching), side by side in one process, on one workload. Ratios, not absolute numbers, are the
-point: every engine runs on the same machine in the same run.
+batching). They run side by side in one process, on one workload. Ratios, not absolute numbers, are
+the point: every engine runs on the same machine in the same run.
 
     python -m nanoserve.bench                       # the default ~40M-parameter random Llama, 48 requests
     python -m nanoserve.bench --dtype bfloat16      # every engine in bfloat16

@@ -1,34 +1,46 @@
-"""The compiled step (`enforce_eager=False`): the model's whole step, embeddings to the final norm
+"""The compiled step (`enforce_eager=False`). The model's whole step, embeddings to the final norm
 (`LlamaModel.run_layers`), is one `torch.compile` graph (inductor), with freezing.
 
-Attention enters the graph as one custom op per layer, which the graph calls as it is:
-- the torch backend: `nanoserve::paged_attention` below. Its plan (attention.py: which requests attend
-  together, their blocks and masks) is Python data built from the host's lengths, too slow to rebuild in
-  each layer and a recompile whenever traced: it is built once per step, as eager builds it, and handed
-  to the op as tensors (`plan_tensors`), which the op reads back (`read_plan`);
-- triton: its own op (triton_backend.py), on the Batch's tensors;
-- flash: its calls stay eager (`torch.compiler.disable`): the graph breaks around them, as vLLM splits
+Attention enters the graph as one custom op per layer, which the graph calls as it is.
+Each backend gets there its own way:
+- torch: `nanoserve::paged_attention` below (`paged_attention_op`).
+- triton: its own op (triton_backend.py), on the Batch's tensors.
+- flash: its calls stay eager (`torch.compiler.disable`). The graph breaks around them, as vLLM splits
   its graph at attention.
 Every op gets the whole KV cache and the layer's index (models/llama.py says why).
 
-Invariants:
-- Compiling happens in `compile_model`, at start-up, never while serving: the warm-up runs a step of
-  N >= 2 tokens and one of N = 1 (torch specializes 0 and 1, so one row gets its own graph); shapes
-  are dynamic in N, and every dim of the attention metadata and of `logits_indices` is unbacked (no size
-  assumed, not even 0 or 1), so no later step recompiles for another count of requests, decode groups,
-  blocks or prompt chunks (tests/test_compilation.py counts).
-- On a CPU, freezing: the weights are the graph's constants, which inductor folds and lays out itself. The
-  linears are eager's (layers/linear.py): `PackedLinear` calls its own op, which the graph calls as it is;
-  plain nn.Linear weights (float32 at max_num_seqs=1) and int8's get inductor's C++ GEMM templates where
-  they time faster (`inductor_options`).
-- Anything that goes wrong while compiling or running the warm-up is one log line and an eager model;
-  `LLM()` never fails because of compilation.
+Almost every line here works around torch.compile. The workarounds, and why each exists:
+- `flatten_plan` and `unflatten_plan`: the torch backend's plan goes into the op as flat tensors.
+  The plan (attention.py) is Python data built from the host's lengths. Rebuilding it in each layer is
+  too slow, and tracing it would recompile. So it is built once per step, as eager builds it.
+  Flat tensors have no strides for the graph to guard.
+- `paged_attention_op` takes the plan's tensors as one list argument, not seven. Each call of an op
+  that mutates costs torch small objects quadratic in its arguments.
+- `mark_unbacked`: every dim of the attention metadata and of `logits_indices` is unbacked.
+  No size is assumed, not even 0 or 1. So no step recompiles for another count of requests, decode
+  groups, blocks or prompt chunks (tests/test_compilation.py counts).
+- `compile_model` turns off duck sizing. Otherwise N could be tied to a KV cache dim that happens to
+  equal it in the warm-up.
+- `copy_code`: each model compiles its own copy of `run_layers`' code object. Dynamo keeps at most
+  8 graphs per code object, so a process's fifth engine would silently run eager.
+- `warm_up` runs a step of N >= 2 tokens and one of N = 1 at start-up. Torch specializes 0 and 1, so one
+  row gets its own graph. Shapes are dynamic in N, so nothing compiles later, while serving.
+  Its KV cache is made outside inference mode, as the real one is, because torch guards on it.
+- `freeze_and_autotune_options` are set around the warm-up, not passed to `torch.compile`. Dynamo reads
+  `freezing` as it traces, before such options apply, and would freeze nothing.
+- `compile_model` falls back to eager. Anything that fails while compiling or warming up is one log
+  line, so `LLM()` never fails because of compilation.
 
-Inductor keeps its generated code in an on-disk cache (by default `/tmp/torchinductor_$USER`, or
-`$TORCHINDUCTOR_CACHE_DIR`): a second start reuses the first's work. Delete that folder to clear it.
+On a CPU, freezing makes the weights the graph's constants, which inductor folds and lays out itself.
+The linears keep eager's layouts (layers/linear.py). `PackedLinear` calls its own op, which the graph
+calls as it is. Plain nn.Linear weights (float32 at max_num_seqs=1) and int8's get inductor's C++ GEMM
+templates where they time faster (`freeze_and_autotune_options`).
 
-It enters the core at the step-executor seam (seams.py's `StepExecutor`), which the composition root
-(composition.py's `CompiledSteps`) fills with `compile_model` and cuda_graphs.py's `capture_graphs`.
+Inductor keeps its generated code in an on-disk cache, so a second start reuses the first's work.
+The cache is `/tmp/torchinductor_$USER` by default, or `$TORCHINDUCTOR_CACHE_DIR`. Delete it to clear it.
+
+It enters the core at the step-executor seam (seams.py's `StepExecutor`). The composition root
+(composition.py's `CompiledSteps`) fills that seam with `compile_model` and cuda_graphs.py's `capture_graphs`.
 """
 from __future__ import annotations
 
@@ -65,8 +77,10 @@ def why_not_compile(device: torch.device, tensor_parallel_size: int) -> str | No
 
 
 def compile_model(runner: Runner, config: Config) -> bool:
-    """Compile the runner's whole step and run the warm-up that compiles it. True where the model now runs
-    compiled; False, after one log line naming why, where it runs eager."""
+    """Compile the runner's whole step, and run the warm-up that compiles it.
+
+    Returns True where the model now runs compiled. Returns False where it runs eager, after one log line
+    naming why."""
     why = why_not_compile(runner.device, config.tensor_parallel_size)
     model = runner.model.model
     if why is None:
@@ -74,11 +88,11 @@ def compile_model(runner: Runner, config: Config) -> bool:
             model.run_layers = compile_layers(model)
             # no duck sizing: N must not be tied to a KV cache dim that happens to equal it in the warm-up
             with (torch.fx.experimental._config.patch(use_duck_shape=False),
-                  torch._inductor.config.patch(inductor_options(runner.device))):
+                  torch._inductor.config.patch(freeze_and_autotune_options(runner.device))):
                 warm_up(runner)
             return True
         except Exception as error:  # a missing C++ compiler, an op inductor cannot lower, ...
-            why = describe(error)
+            why = summarize_error(error)
             for name in ("prepare", "forward"):  # the backend's and the model's own again
                 vars(model.attention).pop(name, None)
             vars(model).pop("run_layers", None)
@@ -86,14 +100,17 @@ def compile_model(runner: Runner, config: Config) -> bool:
     return False
 
 
-def inductor_options(device: torch.device) -> dict[str, object]:
-    """Inductor's settings while the warm-up traces and compiles on `device` (measured: docs/performance.md, "The
-    compiled step"). On a CPU, freezing, and `max_autotune` over inductor's C++ GEMM templates and aten, which
-    times the candidates of every matmul on a frozen weight, ~4 s each, and keeps the fastest: plain nn.Linear
-    (float32 at max_num_seqs=1: a template at one row took ~0.3x MKL's time) and int8's `_weight_int8pack_mm`.
-    Packed linears (layers/linear.py) are an op of our own, which it leaves alone. Set around the first call, not
-    as `torch.compile(options=...)`: dynamo reads `freezing` as it traces, before those options apply, and would
-    freeze nothing."""
+def freeze_and_autotune_options(device: torch.device) -> dict[str, object]:
+    """Inductor's settings while the warm-up traces and compiles on `device`.
+
+    On a GPU there are none. On a CPU they turn on freezing, and `max_autotune` over inductor's C++ GEMM
+    templates and aten. Autotuning times the candidates of every matmul on a frozen weight, ~4 s each,
+    and keeps the fastest. That helps plain nn.Linear (float32 at max_num_seqs=1, where a template at one
+    row took ~0.3x MKL's time) and int8's `_weight_int8pack_mm`. Packed linears (layers/linear.py) are an
+    op of our own, which it leaves alone. docs/performance.md, "The compiled step", has the measurements.
+
+    They are set around the first call, not as `torch.compile(options=...)`. Dynamo reads `freezing` as
+    it traces, before those options apply, and would freeze nothing."""
     if device.type != "cpu":  # neither is tried on a GPU
         return {}
     return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
@@ -101,41 +118,61 @@ def inductor_options(device: torch.device) -> dict[str, object]:
 
 
 def compile_layers(model: torch.nn.Module) -> Callable:
-    """`model.run_layers` (models/llama.py) compiled whole, and attention entering the graph
-    as its backend's op. Every dim of its metadata's tensors and of `logits_indices` is marked unbacked as
-    each step calls it."""
-    backend = model.attention
-    if isinstance(backend, TorchBackend):  # its plan goes in as tensors, to the op
-        plan = backend.prepare
-        backend.prepare = lambda batch, block_size, dtype: plan_tensors(plan(batch, block_size, dtype), dtype)
-        backend.forward = lambda q, k, v, kv_cache, layer, tensors: torch.ops.nanoserve.paged_attention(
-            q, k, v, kv_cache, layer, list(tensors), backend.scale)
-    elif isinstance(backend, FlashBackend):  # eager, between the graph's pieces
-        backend.forward = torch.compiler.disable(backend.forward)
-    # a copy of run_layers' code object, this model's own: dynamo keeps at most 8 graphs per code object
-    # (recompile_limit), and a process's fifth engine sharing the class's would silently run eager
-    run = model.run_layers.__func__
-    own = types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__, run.__defaults__, run.__closure__)
-    compiled = torch.compile(types.MethodType(own, model), dynamic=True)  # inductor_options apply as it compiles
+    """`model.run_layers` (models/llama.py) compiled whole, with attention entering the graph as its
+    backend's op. Each step's call marks its attention metadata and `logits_indices` unbacked."""
+    attention_as_op(model.attention)
+    compiled = torch.compile(copy_code(model.run_layers), dynamic=True)  # the options apply as it compiles
 
     def run_layers(input_ids: Tensor, positions: Tensor, logits_indices: Tensor, kv_cache: Tensor,
                    metadata: AttentionMetadata) -> Tensor:
         tensors = metadata if isinstance(metadata, tuple) else vars(metadata).values()
-        for tensor in [logits_indices, *tensors]:
-            for dim in range(tensor.dim() if isinstance(tensor, Tensor) else 0):
-                torch._dynamo.decorators.mark_unbacked(tensor, dim)
+        mark_unbacked([logits_indices, *tensors])
         return compiled(input_ids, positions, logits_indices, kv_cache, metadata)
     return run_layers
 
 
-def describe(error: Exception) -> str:
+def attention_as_op(backend: object) -> None:
+    """Make the backend's attention something the graph can hold.
+
+    The torch backend's plan goes in as flat tensors, to `paged_attention_op`. Flash stays eager, between
+    the graph's pieces. Triton needs nothing: it is an op already."""
+    if isinstance(backend, TorchBackend):
+        plan = backend.prepare
+        backend.prepare = lambda batch, block_size, dtype: flatten_plan(plan(batch, block_size, dtype), dtype)
+        backend.forward = lambda q, k, v, kv_cache, layer, tensors: torch.ops.nanoserve.paged_attention(
+            q, k, v, kv_cache, layer, list(tensors), backend.scale)
+    elif isinstance(backend, FlashBackend):
+        backend.forward = torch.compiler.disable(backend.forward)
+
+
+def copy_code(method: types.MethodType) -> types.MethodType:
+    """The method bound to a copy of its code object, this model's own.
+
+    Dynamo keeps at most 8 graphs per code object (recompile_limit). Sharing the class's code, a process's
+    fifth engine would silently run eager."""
+    run = method.__func__
+    own = types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__, run.__defaults__, run.__closure__)
+    return types.MethodType(own, method.__self__)
+
+
+def mark_unbacked(tensors: list[object]) -> None:
+    """Mark every dim of every tensor unbacked, so the graph assumes no size, not even 0 or 1.
+    Non-tensors (the metadata's ints) are skipped."""
+    for tensor in tensors:
+        for dim in range(tensor.dim() if isinstance(tensor, Tensor) else 0):
+            torch._dynamo.decorators.mark_unbacked(tensor, dim)
+
+
+def summarize_error(error: Exception) -> str:
     """An error as one log line's reason: its type and the first line of its message."""
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
 def warm_up(runner: Runner) -> None:
-    """Two steps on a throwaway KV cache: a 2-token prompt, then 1 token, the two shapes torch compiles
-    for (N >= 2, and N = 1). Small on purpose: with dynamic shapes a larger N would compile the same."""
+    """Two steps on a throwaway KV cache: a 2-token prompt, then 1 token.
+
+    Those are the two shapes torch compiles for (N >= 2, and N = 1). They are small on purpose: with
+    dynamic shapes a larger N would compile the same."""
     seq = Sequence("warm-up", None, [0, 0], SamplingParams())
     seq.block_table = [1, 2]  # two tokens fit even in blocks of one (block 0 is the null block)
     kv_cache = runner.allocate_kv_cache(3)  # made as the real one is, outside inference mode: torch guards on it
@@ -147,11 +184,15 @@ def warm_up(runner: Runner) -> None:
 
 # ----------------------------------------------------------------------------- the torch backend as an op
 
-def plan_tensors(plan: AttentionPlan, dtype: torch.dtype) -> tuple[Tensor, ...]:
-    """The torch backend's plan as flat tensors only (a flat tensor has no stride for the graph to guard):
-    on the host, each decode group's (rows, blocks) and each prompt chunk's (start, end, seqlen_k); then
-    the groups' rows, block tables and biases, and the chunks' block tables, each group's or chunk's after
-    the last one's. `read_plan` makes the plan again."""
+def flatten_plan(plan: AttentionPlan, dtype: torch.dtype) -> tuple[Tensor, ...]:
+    """The torch backend's plan as flat tensors only. A flat tensor has no stride for the graph to guard.
+
+    The tensors, in order:
+    - slot_mapping.
+    - On the host, each decode group's (rows, blocks), then each prompt chunk's (start, end, seqlen_k).
+    - The groups' rows, then their block tables, then their biases.
+    - The chunks' block tables.
+    Each holds its groups or chunks one after another. `unflatten_plan` makes the plan again."""
     groups, chunks = plan.decode_groups, plan.prefill_requests
 
     def flat(parts: list[Tensor], dtype: torch.dtype = torch.int64) -> Tensor:
@@ -164,10 +205,11 @@ def plan_tensors(plan: AttentionPlan, dtype: torch.dtype) -> tuple[Tensor, ...]:
             flat([chunk.block_table for chunk in chunks]))
 
 
-def read_plan(slot_mapping: Tensor, sizes: Tensor, bounds: Tensor, rows: Tensor, tables: Tensor, bias: Tensor,
+def unflatten_plan(slot_mapping: Tensor, sizes: Tensor, bounds: Tensor, rows: Tensor, tables: Tensor, bias: Tensor,
               chunk_tables: Tensor, block_size: int) -> AttentionPlan:
-    """`plan_tensors`' tensors -> the plan they were made from. Run in every layer's op: views of the
-    tensors (splits), and one causal mask per prompt chunk whose keys outnumber its queries."""
+    """`flatten_plan`'s tensors -> the plan they were made from. It runs in every layer's op, so it stays
+    cheap: views of the tensors (splits), and one causal mask per prompt chunk whose keys outnumber its
+    queries."""
     sizes, bounds = sizes.view(-1, 2).tolist(), bounds.view(-1, 3).tolist()
     parts = zip(sizes, rows.split([r for r, _ in sizes]), tables.split([r * b for r, b in sizes]),
                 bias.split([r * b * block_size for r, b in sizes]))
@@ -183,12 +225,13 @@ def read_plan(slot_mapping: Tensor, sizes: Tensor, bounds: Tensor, rows: Tensor,
 @torch.library.custom_op("nanoserve::paged_attention", mutates_args=("kv_cache",))
 def paged_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, tensors: list[Tensor],
                        scale: float) -> Tensor:
-    """The torch backend's attention for layer `layer` (attention.py), as one op: q `[N, H, D]`, k, v
-    `[N, Hkv, D]` -> `[N, H, D]`, its plan read back from `plan_tensors`' `tensors`. They are one list
-    argument, not seven: each call of an op that mutates costs torch ~(arguments)^2 small objects (the
-    version bump's fill_defaults), ~50 us at 13 arguments, 30 times a step."""
+    """The torch backend's attention for layer `layer` (attention.py), as one op.
+
+    q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`. Its plan is read back from `flatten_plan`'s `tensors`.
+    They are one list argument, not seven. Each call of an op that mutates costs torch ~(arguments)^2
+    small objects (the version bump's fill_defaults). That was ~50 us at 13 arguments, 30 times a step."""
     k_cache, v_cache = kv_cache[:, layer]  # views taken inside the op: it declares the whole cache mutated
-    plan = read_plan(*tensors, k_cache.shape[1])
+    plan = unflatten_plan(*tensors, k_cache.shape[1])
     store_kvcache(k, v, k_cache, v_cache, plan.slot_mapping)
     return paged_attention(q, k_cache, v_cache, plan, scale).contiguous()
 

@@ -1,25 +1,27 @@
-"""CUDA graphs for decode steps: on CUDA, with the flash or triton backend and `enforce_eager=False`, a step in which
-every request brings one token replays a graph captured at start-up instead of launching the model's
-kernels one by one from Python.
+"""CUDA graphs for decode steps. They run on CUDA, with the flash or triton backend and `enforce_eager=False`.
+A step in which every request brings one token replays a graph captured at start-up. It does not launch
+the model's kernels one by one from Python.
 
-Why: a decode step of a small batch is hundreds of small kernels (a few per op, ~25 ops per layer); at
-batch 1 the GPU finishes each before the host has launched the next. A CUDA graph records one step's
-launches once, and one replay launches them all. What a graph needs: every input at the address it was
+Why: a decode step of a small batch is hundreds of small kernels (a few per op, ~25 ops per layer).
+At batch 1 the GPU finishes each before the host has launched the next. A CUDA graph records one step's
+launches once, and one replay launches them all. A graph needs every input at the address it was
 captured with, in the same shape. So, as nano-vllm and vLLM do:
-- At start-up one graph is captured per batch size, 1, 2, 4, 8, then every 16 up to max_num_seqs
-  (largest first; the others share its memory pool), each over a static `Batch` of that many rows.
-- A decode step of B requests copies its arrays into the first B rows and replays the smallest graph
-  of at least B rows. Rows past B are padding: token 0 at position 0, its k and v written to slot 0,
-  which it then reads as its one key. Slot 0 is in the null block (attention.py): flash-attn and the
-  triton kernel read a request's keys through its own block table, which never names block 0 among
-  its first seq_lens keys, so padding is harmless.
-- A graph ends at the model's final norm (`[rows, hidden]`); lm_head runs after the replay on the rows
-  `logits_indices` names, as in the eager model: the logits of every padded row, kept for every graph,
+- At start-up one graph is captured per batch size: 1, 2, 4, 8, then every 16 up to max_num_seqs.
+  Each is over a static `Batch` of that many rows. The largest is captured first, and the others share
+  its memory pool.
+- A decode step of B requests copies its arrays into the first B rows. It replays the smallest graph
+  of at least B rows.
+- Rows past B are padding: token 0 at position 0. Its k and v are written to slot 0, which it then reads
+  as its one key. Slot 0 is in the null block (attention.py). The flash-attn and triton kernels read a
+  request's keys through its own block table. That table never names block 0 among its first seq_lens
+  keys, so padding is harmless.
+- A graph ends at the model's final norm (`[rows, hidden]`). The lm_head runs after the replay, on the rows
+  `logits_indices` names, as in the eager model. The logits of every padded row, kept for every graph,
   would take far more memory.
 - Prompts, mixed steps and steps with draft tokens (spec_decode.py) run the model as they are.
-Only with the flash or triton backend, whose inputs are the Batch's tensors (the triton kernel's grid
-depends only on their shapes): the torch backend's per-step plan is Python data (attention.py) that a
-graph would freeze. Not with tensor parallelism.
+Graphs need the flash or triton backend, whose inputs are the Batch's tensors. (The triton kernel's grid
+depends only on their shapes.) The torch backend's per-step plan is Python data (attention.py), which a
+graph would freeze. Graphs do not work with tensor parallelism either.
 """
 from __future__ import annotations
 
@@ -32,15 +34,16 @@ from torch import Tensor
 
 from nanoserve.batch import Batch, build_batch
 from nanoserve.config import Config, cdiv
-from nanoserve.extensions.compilation import describe
+from nanoserve.extensions.compilation import summarize_error
 from nanoserve.sampler import SamplingParams
 from nanoserve.seams import Runner
 from nanoserve.sequence import Sequence
 
 
 def capture(run: Callable[[], Tensor], pool: tuple | None) -> tuple[Callable[[], Tensor], tuple]:
-    """Record `run`'s kernels as a CUDA graph: (a replay, which launches them again and returns `run`'s
-    output tensor, now holding the new result; the graph's memory pool, for the next capture to share)."""
+    """Record `run`'s kernels as a CUDA graph. Returns two things:
+    - a replay, which launches them again and returns `run`'s output tensor, now holding the new result;
+    - the graph's memory pool, for the next capture to share."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = run()
@@ -78,8 +81,9 @@ class DecodeGraphs:
 
 
 def capture_graphs(runner: Runner, config: Config, max_model_len: int) -> DecodeGraphs | None:
-    """The runner's decode graphs where enforce_eager=False on CUDA; None elsewhere, and where they cannot
-    be captured here, after one log line naming why (decode steps then run without)."""
+    """The runner's decode graphs where enforce_eager=False on CUDA; None elsewhere.
+    Where they cannot be captured here, it is also None, after one log line naming why. Decode steps
+    then run without graphs."""
     if config.enforce_eager or runner.device.type != "cuda":
         return None
     why = ("they need the flash or triton attention backend" if runner.backend not in ("flash", "triton") else
@@ -89,6 +93,6 @@ def capture_graphs(runner: Runner, config: Config, max_model_len: int) -> Decode
             return DecodeGraphs(runner.model, runner.kv_cache, config.max_num_seqs,
                                 cdiv(max_model_len, runner.block_size))
         except Exception as error:  # an op that cannot be captured, out of memory, ...
-            why = describe(error)
+            why = summarize_error(error)
     logging.getLogger(__name__).warning(f"enforce_eager=False, but decode steps run without CUDA graphs: {why}")
     return None
