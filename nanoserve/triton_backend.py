@@ -32,7 +32,8 @@ class TritonMetadata:
 
 @torch.library.custom_op("nanoserve::triton_attention", mutates_args=("kv_cache",))
 def triton_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, slot_mapping: Tensor,
-                     query_start_loc: Tensor, seq_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
+                     query_start_loc: Tensor, seq_lens: Tensor, block_tables: Tensor, scale: float,
+                     softcap: float) -> Tensor:
     """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`: the step's k, v written into their slots of layer
     `layer` first, so that each query finds its own token's key through the block table like any other."""
     k_cache, v_cache = kv_cache[:, layer]  # views taken inside the op: it declares the whole cache mutated
@@ -42,7 +43,7 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: i
     # token i's k, v into row slot_mapping[i] of the caches viewed as [num_blocks * block_size, Hkv, D]
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
-    return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+    return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, softcap)
 
 
 @triton_attention.register_fake
@@ -56,8 +57,8 @@ class TritonBackend:
     """The Triton kernel on CUDA (or under TRITON_INTERPRET=1): the store of attention.store_kvcache, then one
     attention launch per layer."""
 
-    def __init__(self, scale: float) -> None:
-        self.scale = scale
+    def __init__(self, scale: float, softcap: float = 0.0) -> None:
+        self.scale, self.softcap = scale, softcap  # softcap: Gemma 2's, 0 for none (kernels/triton_attention.py)
 
     def prepare(self, batch: Batch, block_size: int, dtype: torch.dtype) -> TritonMetadata:
         return TritonMetadata(batch.slot_mapping, batch.query_start_loc, batch.seq_lens, batch.block_tables)
@@ -67,7 +68,7 @@ class TritonBackend:
         """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`, in one custom op (triton_attention)."""
         return torch.ops.nanoserve.triton_attention(q, k, v, kv_cache, layer, metadata.slot_mapping,
                                                     metadata.query_start_loc, metadata.seq_lens,
-                                                    metadata.block_tables, self.scale)
+                                                    metadata.block_tables, self.scale, self.softcap)
 
 
 def interpreting() -> bool:
