@@ -25,6 +25,7 @@ from nanoserve.batch import Batch
 from nanoserve.distributed import Shard, all_reduce, embed
 from nanoserve.layers.layernorm import GemmaRMSNorm
 from nanoserve.layers.rotary_embedding import RotaryEmbedding
+from nanoserve.layers.softcap import softcap
 from nanoserve.models.families import Family
 from nanoserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 
@@ -114,8 +115,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.final_logit_softcapping = family.final_logit_softcapping
 
     def forward(self, batch: Batch, kv_cache: Tensor) -> Tensor | None:
+        """Llama's logits, capped (Gemma 2); the decode graphs (extensions/cuda_graphs.py) cap theirs too."""
         logits = super().forward(batch, kv_cache)  # [S, vocab] float32
         cap = self.final_logit_softcapping
-        if logits is None or cap is None:
-            return logits
-        return torch.tanh(logits / cap) * cap
+        return logits if logits is None or cap is None else softcap(logits, cap)
