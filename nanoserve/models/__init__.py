@@ -1,4 +1,5 @@
-"""Model implementations: Llama (llama.py), which runs every family nanoserve serves. `load_model`
+"""Model implementations: Llama (llama.py), which runs every family nanoserve serves but Gemma's. Gemma,
+Gemma 2 and Gemma 3 (gemma.py) reuse Llama's layers. `load_model`
 (loader.py) builds it with the `Family` (families.py) that the checkpoint's config.json describes: what
 its architecture (a row in `families.MODELS`) and config.json change from Llama's layers.
 

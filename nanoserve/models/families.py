@@ -18,8 +18,9 @@ from nanoserve.models import get_head_dim
 
 @dataclass(frozen=True)
 class Family:
-    """A MODELS row sets the first three fields, which are the same for every checkpoint of the
-    architecture; `describe` fills in the rest from one checkpoint's config.json."""
+    """A MODELS row sets the fields that are the same for every checkpoint of the architecture: architecture,
+    qkv_bias, qk_norm, implementation, hidden_act and sandwich_norms. `describe` fills in the rest from one
+    checkpoint's config.json."""
     architecture: str  # config.json's `architectures` entry, e.g. "Qwen3ForCausalLM"
     qkv_bias: bool = False  # q, k and v projections have a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and of k, before RoPE (Qwen3)
@@ -28,7 +29,7 @@ class Family:
     # rope_type ("default" or "llama3"), rope_theta and llama3's scaling (layers/rotary_embedding.py)
     rope_parameters: dict = field(default_factory=dict, hash=False)
     sliding_window: int | None = None  # attention sees only the last this-many tokens; None: the whole context
-    # Gemma's (models/gemma.py); a MODELS row sets the first three, `describe` the rest from config.json
+    # Gemma's differences (models/gemma.py)
     implementation: str = "llama"  # the models/ module that builds it: "llama" or "gemma"
     hidden_act: str = "silu"  # the MLP's activation, which config.json must name
     sandwich_norms: bool = False  # a norm after attention and after the MLP too, and one before the MLP (Gemma 2, 3)

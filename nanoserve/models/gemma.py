@@ -6,10 +6,11 @@ What every Gemma changes:
 - the embeddings are multiplied by sqrt(hidden_size), rounded to the model's dtype first;
 - the MLP is GeGLU: gelu with the tanh approximation where Llama has silu;
 - the lm_head is tied to the embeddings.
-Gemma 2 and 3 add a norm after attention and one around the MLP (`sandwich_norms`), the attention scale
-`query_pre_attn_scalar ** -0.5`, and soft-capping: scores (in the attention backend) or logits become
-tanh(x / cap) * cap. Their `layer_types` mix sliding-window layers with full ones. Gemma 3 has q/k norm,
-and rope_parameters of its own per layer type (a lower RoPE base for the sliding layers).
+Gemma 2 and 3 add a norm after attention and one around the MLP (`sandwich_norms`). Their attention scale is
+`query_pre_attn_scalar ** -0.5`. Gemma 2 soft-caps its scores (in the attention backend) and its logits: x
+becomes tanh(x / cap) * cap (layers/softcap.py). Gemma 2's and 3's `layer_types` mix sliding-window layers
+with full ones. Gemma 3 has q/k norm, and its own rope_parameters per layer type (the sliding layers' base is
+lower).
 
 Each layer keeps its own `sliding_window` (`Family.layer_window`): None on a full-attention layer.
 """
