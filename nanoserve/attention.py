@@ -48,16 +48,16 @@ from torch import Tensor
 from nanoserve.batch import Batch
 from nanoserve.config import cdiv
 from nanoserve.device import upload
+from nanoserve.layers.softcap import attend_softcapped
 from nanoserve.triton_backend import TritonBackend, TritonMetadata, choose_backend
 
 
 def store_kvcache(k: Tensor, v: Tensor, k_cache: Tensor,
                   v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write token i's k, v (`[N, num_kv_heads, head_dim]`) into flat slot `slot_mapping[i]`."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
     # [num_blocks * block_size, num_kv_heads, head_dim]: one row per slot, a view, so writes land in the cache
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
 # ----------------------------------------------------------------------------- the torch backend
@@ -72,14 +72,15 @@ def gather_blocks(cache: Tensor, block_table: Tensor) -> Tensor:
 
 def causal_mask(seqlen_q: int, seqlen_k: int, device: torch.device) -> Tensor:
     """`[seqlen_q, seqlen_k]` bool, bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q."""
-    key_pos = torch.arange(seqlen_k, device=device)
-    query_pos = torch.arange(seqlen_q, device=device)[:, None]
-    return key_pos <= query_pos + seqlen_k - seqlen_q
+    return torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device).tril(seqlen_k - seqlen_q)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, scale: float,
-           mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
-    """q `[B, Sq, H, D]`, k, v `[B, L, Hkv, D]` -> `[B, Sq, H, D]`, one SDPA call for the batch."""
+           mask: Tensor | None = None, is_causal: bool = False, softcap: float = 0.0) -> Tensor:
+    """q `[B, Sq, H, D]`, k, v `[B, L, Hkv, D]` -> `[B, Sq, H, D]`, one SDPA call for the batch. A nonzero
+    softcap caps the scores (Gemma 2), which SDPA cannot: layers/softcap.py writes attention out then."""
+    if softcap:
+        return attend_softcapped(q, k, v, scale, softcap, mask, is_causal)
     # SDPA wants heads before length: [B, heads, len, D]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)
@@ -150,23 +151,25 @@ def plan_attention(batch: Batch, block_size: int, dtype: torch.dtype) -> Attenti
     return AttentionPlan(batch.slot_mapping, groups, prefills)
 
 
-def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan, scale: float) -> Tensor:
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan, scale: float,
+                    softcap: float = 0.0) -> Tensor:
     """q `[N, H, D]` -> `[N, H, D]`, attending as `plan` says. Each request's keys and values are
     copied out of the cache once (whole blocks) and read once by SDPA."""
     if q.shape[0] == 1 and plan.decode_groups:  # one request decoding (the latency case): its
-        return attend_decode_group(q, k_cache, v_cache, plan.decode_groups[0], scale)  # rows are the output
+        return attend_decode_group(q, k_cache, v_cache, plan.decode_groups[0], scale, softcap)  # the output
     out = q.new_zeros(q.shape)  # [N, H, D]
     for group in plan.decode_groups:
         q_group = q.index_select(0, group.rows)  # [R, H, D]
-        out.index_copy_(0, group.rows, attend_decode_group(q_group, k_cache, v_cache, group, scale))
+        out.index_copy_(0, group.rows, attend_decode_group(q_group, k_cache, v_cache, group, scale, softcap))
     for r in plan.prefill_requests:
         keys = gather_blocks(k_cache, r.block_table)[:, :r.seqlen_k]  # [1, seqlen_k, Hkv, D]
         values = gather_blocks(v_cache, r.block_table)[:, :r.seqlen_k]
-        out[r.start:r.end] = attend(q[None, r.start:r.end], keys, values, scale, r.mask, r.mask is None)[0]
+        out[r.start:r.end] = attend(q[None, r.start:r.end], keys, values, scale, r.mask, r.mask is None, softcap)[0]
     return out
 
 
-def attend_decode_group(q_group: Tensor, k_cache: Tensor, v_cache: Tensor, group: DecodeGroup, scale: float) -> Tensor:
+def attend_decode_group(q_group: Tensor, k_cache: Tensor, v_cache: Tensor, group: DecodeGroup, scale: float,
+                        softcap: float) -> Tensor:
     """The group's rows of q `[R, H, D]` -> `[R, H, D]`, one SDPA call over their copied-out blocks."""
     keys = gather_blocks(k_cache, group.block_table)  # [R, num_blocks * block_size, Hkv, D]
     values = gather_blocks(v_cache, group.block_table)
@@ -174,14 +177,14 @@ def attend_decode_group(q_group: Tensor, k_cache: Tensor, v_cache: Tensor, group
     if q_group.device.type == "cpu":  # upcast the copies it reads: in bfloat16 and float16 at one query
         # per request, SDPA took 1.5-7x float32's time there (docs/performance.md, "Where a decode step's time goes")
         queries, keys, values, bias = queries.float(), keys.float(), values.float(), bias.float()
-    return attend(queries, keys, values, scale, bias)[:, 0].to(q_group.dtype)
+    return attend(queries, keys, values, scale, bias, softcap=softcap)[:, 0].to(q_group.dtype)
 
 
 class TorchBackend:
     """Plain PyTorch on any device: SDPA over blocks copied out of the cache, as the step's plan says."""
 
-    def __init__(self, scale: float) -> None:
-        self.scale = scale
+    def __init__(self, scale: float, softcap: float = 0.0) -> None:
+        self.scale, self.softcap = scale, softcap  # softcap: Gemma 2's (attend); 0: none
 
     def prepare(self, batch: Batch, block_size: int, dtype: torch.dtype) -> AttentionPlan:
         return plan_attention(batch, block_size, dtype)
@@ -190,7 +193,7 @@ class TorchBackend:
         """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`."""
         k_cache, v_cache = kv_cache[:, layer]  # this layer's [num_blocks, block_size, Hkv, D] each
         store_kvcache(k, v, k_cache, v_cache, plan.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, plan, self.scale)
+        return paged_attention(q, k_cache, v_cache, plan, self.scale, self.softcap)
 
 
 # ----------------------------------------------------------------------------- the flash backend
@@ -199,10 +202,10 @@ class FlashBackend:
     """flash-attn's kernels (CUDA, fp16/bf16, block_size a multiple of 256). They read the `Batch`'s
     own arrays, so the step's metadata is the Batch itself."""
 
-    def __init__(self, scale: float) -> None:
+    def __init__(self, scale: float, softcap: float = 0.0) -> None:
         # imported only when chosen: it exists only on CUDA machines
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-        self.scale = scale
+        self.scale, self.softcap = scale, softcap
         self.varlen_func, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
     def prepare(self, batch: Batch, block_size: int, dtype: torch.dtype) -> Batch:
@@ -217,12 +220,13 @@ class FlashBackend:
             # request b's query attends to its first seq_lens[b] cached tokens, in blocks block_tables[b]
             return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache,  # q as [B, 1, H, D]
                                      cache_seqlens=batch.seq_lens, block_table=batch.block_tables,
-                                     softmax_scale=self.scale, causal=True).squeeze(1)  # [N, H, D]
+                                     softmax_scale=self.scale, causal=True,
+                                     softcap=self.softcap).squeeze(1)  # [N, H, D]
         # request b's queries are rows query_start_loc[b]:query_start_loc[b + 1] of q; its keys, the
         # first cu_seqlens_k[b + 1] - cu_seqlens_k[b] (= seq_lens[b]) tokens in blocks block_tables[b]
         return self.varlen_func(q, k_cache, v_cache, batch.query_start_loc, batch.cu_seqlens_k,
                                 batch.max_query_len, batch.max_seq_len, softmax_scale=self.scale,
-                                causal=True, block_table=batch.block_tables)
+                                causal=True, block_table=batch.block_tables, softcap=self.softcap)
 
 
 AttentionBackend = TorchBackend | FlashBackend | TritonBackend  # triton: our own kernel, triton_backend.py

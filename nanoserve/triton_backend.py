@@ -35,7 +35,8 @@ class TritonMetadata:
 
 @torch.library.custom_op("nanoserve::triton_attention", mutates_args=("kv_cache",))
 def triton_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, slot_mapping: Tensor,
-                     query_start_loc: Tensor, seq_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
+                     query_start_loc: Tensor, seq_lens: Tensor, block_tables: Tensor, scale: float,
+                     softcap: float) -> Tensor:
     """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`.
     The step's k, v are written into their slots of layer `layer` first. So each query finds its own
     token's key through the block table, like any other."""
@@ -46,7 +47,7 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: i
     # token i's k, v into row slot_mapping[i] of the caches viewed as [num_blocks * block_size, Hkv, D]
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
-    return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+    return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, softcap)
 
 
 @triton_attention.register_fake
@@ -60,8 +61,8 @@ class TritonBackend:
     """The Triton kernel on CUDA (or under TRITON_INTERPRET=1). Each layer runs the store of
     attention.store_kvcache, then one attention launch."""
 
-    def __init__(self, scale: float) -> None:
-        self.scale = scale
+    def __init__(self, scale: float, softcap: float = 0.0) -> None:
+        self.scale, self.softcap = scale, softcap  # softcap: Gemma 2's, 0 for none (kernels/triton_attention.py)
 
     def prepare(self, batch: Batch, block_size: int, dtype: torch.dtype) -> TritonMetadata:
         return TritonMetadata(batch.slot_mapping, batch.query_start_loc, batch.seq_lens, batch.block_tables)
@@ -71,7 +72,7 @@ class TritonBackend:
         """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`, in one custom op (triton_attention)."""
         return torch.ops.nanoserve.triton_attention(q, k, v, kv_cache, layer, metadata.slot_mapping,
                                                     metadata.query_start_loc, metadata.seq_lens,
-                                                    metadata.block_tables, self.scale)
+                                                    metadata.block_tables, self.scale, self.softcap)
 
 
 def interpreting() -> bool:

@@ -11,7 +11,17 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from nanoserve import SamplingParams
 
@@ -44,7 +54,8 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 # Each architecture in nanoserve/models/families.py's MODELS, by the config class transformers builds it from.
-FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+            "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}
 MODELS = {
     "gqa": {},
     "tied": dict(tie_word_embeddings=True, num_key_value_heads=4),
@@ -87,13 +98,18 @@ def build_tiny_model(path: str, family: str = "llama", **kwargs) -> str:
 
 
 def randomize_extras(model: torch.nn.Module) -> None:
-    """Draw at random what transformers starts constant: biases (Qwen2's q, k, v; zero) and Qwen3's q/k
-    norm weights (one), so that a bias or norm lost, or q's and k's swapped, changes the logits."""
+    """Draw at random what transformers starts constant: biases (Qwen2's q, k, v; zero), Qwen3's q/k
+    norm weights (one) and every Gemma norm's weight (zero: it scales by 1 + weight; std 2, else the tied
+    embedding of the last token wins every step), so that a bias or norm
+    lost, q's and k's swapped, or Gemma's 1 + weight read as weight changes the logits."""
+    gemma = model.config.model_type.startswith("gemma")
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith(".bias"):
                 parameter.normal_(0, 0.2)
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
+            if gemma and name.endswith("norm.weight"):
+                parameter.normal_(0, 2.0)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 parameter.normal_(1, 0.3)
 
 
@@ -125,9 +141,11 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens)
 
 
-def hf_greedy(path: str, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+def hf_greedy(path: str, prompts: list[list[int]], max_tokens: list[int],
+              attn_implementation: str | None = None) -> list[list[int]]:
     """The reference: transformers' greedy generate, one prompt at a time (no padding)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation).eval()
     outputs = []
     with torch.no_grad():
         for prompt, n in zip(prompts, max_tokens):

@@ -62,7 +62,6 @@ class FlashReference:
         Returns out `[total_q, H, D]`, or (out, softmax_lse `[H, total_q]`, S_dmask) with return_attn_probs."""
         unsupported("dropout_p", dropout_p, 0.0)
         unsupported("window_size", tuple(window_size), (-1, -1))
-        unsupported("softcap", softcap, 0.0)
         unsupported("alibi_slopes", alibi_slopes, None)
         paged = block_table is not None
         self.check_dtypes(q, k, v)
@@ -101,7 +100,7 @@ class FlashReference:
         lse = torch.full((num_heads, total_q), float("inf"), dtype=torch.float32, device=q.device)
         for b, (start, n) in enumerate(zip(q_starts, q_lens)):
             rows = slice(start, start + n)
-            out[rows], lse[:, rows] = attend(q[rows], keys[b], values[b], causal, scale)
+            out[rows], lse[:, rows] = attend(q[rows], keys[b], values[b], causal, scale, softcap)
         if return_attn_probs:  # S_dmask is only filled with dropout, which is refused above
             return out, lse, torch.empty(0, dtype=q.dtype, device=q.device)
         return out
@@ -121,7 +120,7 @@ class FlashReference:
               "We don't support Paged KV and leftpad_k running at the same time yet")
         for name, value, default in (("rotary_cos", rotary_cos, None), ("rotary_sin", rotary_sin, None),
                                      ("cache_batch_idx", cache_batch_idx, None), ("cache_leftpad", cache_leftpad, None),
-                                     ("window_size", tuple(window_size), (-1, -1)), ("softcap", softcap, 0.0),
+                                     ("window_size", tuple(window_size), (-1, -1)),
                                      ("alibi_slopes", alibi_slopes, None)):
             unsupported(name, value, default)
         check(isinstance(num_splits, int) and num_splits <= 128, f"num_splits > 128 not supported, got {num_splits!r}")
@@ -157,7 +156,7 @@ class FlashReference:
         lse = torch.full((batch_size, num_heads, seqlen_q), float("inf"), dtype=torch.float32, device=q.device)
         for b, n in enumerate(k_lens):
             keys, values = gather_paged(k_cache, table[b], n), gather_paged(v_cache, table[b], n)
-            out[b], lse[b] = attend(q[b], keys, values, causal, scale)
+            out[b], lse[b] = attend(q[b], keys, values, causal, scale, softcap)
         return (out, lse) if return_softmax_lse else out
 
     # ------------------------------------------------------------------ checks shared by both
@@ -272,15 +271,19 @@ def append_new_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, table:
         v_cache[blocks, positions % page] = v[b]
 
 
-def attend(q: Tensor, keys: Tensor, values: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def attend(q: Tensor, keys: Tensor, values: Tensor, causal: bool, scale: float,
+           softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """One request, computed in float32 like flash-attn's accumulators: q `[Sq, H, D]`, keys, values
-    `[Sk, Hkv, D]` -> out `[Sq, H, D]` in q's dtype, softmax_lse `[H, Sq]` (+inf where no key is seen)."""
+    `[Sk, Hkv, D]` -> out `[Sq, H, D]` in q's dtype, softmax_lse `[H, Sq]` (+inf where no key is seen).
+    A nonzero softcap caps the scores as flash-attn does: tanh(scores / softcap) * softcap, before the mask."""
     seqlen_q, num_heads, _ = q.shape
     seqlen_k, num_heads_k, _ = keys.shape
     group = num_heads // num_heads_k
     k = keys.float().repeat_interleave(group, dim=1)  # [Sk, H, D]: query head h reads kv head h // group
     v = values.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [H, Sq, Sk]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     key_pos = torch.arange(seqlen_k, device=q.device)
     query_pos = torch.arange(seqlen_q, device=q.device)[:, None]
     seen = key_pos <= query_pos + seqlen_k - seqlen_q if causal else torch.ones_like(key_pos <= query_pos)  # [Sq, Sk]

@@ -200,4 +200,4 @@ def test_the_torch_attention_op_passes_opcheck():
     q, k, v = torch.randn(num_tokens, 4, 8), torch.randn(num_tokens, 2, 8), torch.randn(num_tokens, 2, 8)
     kv_cache = torch.randn(2, 3, num_blocks, 4, 2, 8)  # [2, layers, blocks, block_size, Hkv, D]
     plan = compilation.flatten_plan(plan_attention(batch, 4, torch.float32), torch.float32)
-    torch.library.opcheck(torch.ops.nanoserve.paged_attention.default, (q, k, v, kv_cache, 1, list(plan), 0.3))
+    torch.library.opcheck(torch.ops.nanoserve.paged_attention.default, (q, k, v, kv_cache, 1, list(plan), 0.3, 0.0))

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from test_engine import MAX_TOKENS, PROMPTS
+from test_gemma import GEMMAS
 
-from conftest import greedy, reference
+from conftest import build_tiny_model, greedy, reference
 from flash_reference import FlashReference, fake_flash_attn_module
 from nanoserve import LLM, SamplingParams, model_runner
 from nanoserve.batch import build_batch
@@ -89,12 +90,15 @@ def test_decode_graphs_serve_prompt_chunks_of_one_token_and_their_logprobs(tiny_
             assert all(got[t].logprob == pytest.approx(want[t].logprob, abs=1e-4) for t in got)
 
 
-def test_a_replay_returns_what_the_model_returns(tiny_models, graphs_on_cpu):
+@pytest.mark.parametrize("model", ["gqa", "gemma2"])
+def test_a_replay_returns_what_the_model_returns(tiny_models, graphs_on_cpu, tmp_path, model):
     """replay(batch) against model(batch) on decode-only batches built by hand: a prompt's middle token
     (with a prompt logprob) before a decode, so the rows lm_head takes are [1, 0], not the first ones;
-    then the decode alone."""
+    then the decode alone. Gemma 2 (test_gemma.py's): catches the replay's logits left uncapped, and flash-attn
+    not given the softcap."""
     make, _ = graphs_on_cpu
-    runner = make(tiny_models["gqa"], max_num_seqs=2).engine.model_runner
+    path = tiny_models[model] if model == "gqa" else build_tiny_model(str(tmp_path), **GEMMAS[model])
+    runner = make(path, max_num_seqs=2).engine.model_runner
     prompt = Sequence("prompt", None, list(range(3, 9)), SamplingParams(prompt_logprobs=1))  # 6 tokens
     prompt.num_computed_tokens, prompt.block_table = 3, [1, 2]
     decode = Sequence("decode", None, list(range(20, 25)), SamplingParams())  # 4 prompt tokens, 1 generated

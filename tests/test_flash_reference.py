@@ -272,7 +272,7 @@ def test_head_rules_refused(head_dim, heads, match):
                                                 block_table=torch.tensor([[1]], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("option, value", [("dropout_p", 0.1), ("window_size", (16, 0)), ("softcap", 30.0),
+@pytest.mark.parametrize("option, value", [("dropout_p", 0.1), ("window_size", (16, 0)),
                                            ("alibi_slopes", torch.zeros(H))])
 def test_varlen_unsupported_options_raise(option, value):
     with pytest.raises(NotImplementedError, match=option):
@@ -307,7 +307,7 @@ def test_with_kvcache_refuses(case):
 
 
 @pytest.mark.parametrize("option, value", [("rotary_cos", torch.zeros(8, 8)), ("cache_leftpad", None),
-                                           ("softcap", 30.0), ("window_size", (8, 0))])
+                                           ("window_size", (8, 0))])
 def test_with_kvcache_unsupported_options_raise(option, value):
     args = decode_args(scenario(torch.bfloat16, requests=[(1, 300)]), [0])
     if option == "cache_leftpad":  # with a paged cache flash-attn itself refuses it

@@ -343,7 +343,8 @@ def test_a_family_is_its_row_completed_from_the_config() -> None:
     config = Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=32, tie_word_embeddings=True,
                          rope_parameters=rope, architectures=["Qwen3ForCausalLM"])
     assert describe(config) == Family("Qwen3ForCausalLM", qk_norm=True, head_dim=32, tie_word_embeddings=True,
-                                      rope_parameters=rope, sliding_window=None)
+                                      rope_parameters=rope, sliding_window=None,
+                                      layer_types=("full_attention",) * config.num_hidden_layers)
 
 
 def test_unsupported_rope_type(tmp_path: Path) -> None:

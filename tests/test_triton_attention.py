@@ -76,15 +76,16 @@ def paged_cache(seq_lens: list[int], block_size: int, num_kv_heads: int, head_di
 
 def check_against_reference(kernels, q_lens: list[int], k_lens: list[int], block_size: int, dtype: torch.dtype,
                             num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
-                            seed: int = 0) -> torch.Tensor:
+                            seed: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """One paged_attention call for the whole batch, compared with the reference; returns the output."""
     torch.manual_seed(seed)
     k_cache, v_cache, block_tables = paged_cache(k_lens, block_size, num_kv_heads, head_dim, dtype, seed)
     q = torch.randn(sum(q_lens), num_heads, head_dim).to(dtype)
     query_start_loc, seq_lens = cumsum0(q_lens), torch.tensor(k_lens, dtype=torch.int32)
-    out = kernels.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 0.3)
+    out = kernels.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 0.3, softcap)
     expected = REFERENCE.flash_attn_varlen_func(q, k_cache, v_cache, query_start_loc, cumsum0(k_lens), max(q_lens),
-                                                max(k_lens), softmax_scale=0.3, causal=True, block_table=block_tables)
+                                                max(k_lens), softmax_scale=0.3, causal=True, block_table=block_tables,
+                                                softcap=softcap)
     torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
     return out
 
@@ -104,6 +105,15 @@ def test_prefill_chunks_and_decodes_in_one_call(kernels, block_size: int, dtype:
     starts = cumsum0(q_lens)
     assert torch.equal(out[starts[6]:starts[6] + 2], torch.zeros_like(out[:2]))  # 6 queries, 4 keys
     assert torch.equal(out[starts[7]:], torch.zeros_like(out[starts[7]:]))     # no key at all
+
+
+@interpreted
+def test_softcapped_scores(kernels):
+    """Gemma 2's soft-capping, tanh(scores / 0.8) * 0.8 before the mask, on a prompt, a chunk and decodes, in
+    float32 against the reference (which caps as flash-attn does). 0.8 is far below these scores (q and k
+    are unit normals over 16 dims, times 0.3). Catches the cap dropped, applied after the mask (a masked
+    key's -inf would become -0.8 and be seen) or applied before the scale."""
+    check_against_reference(kernels, [20, 5, 1, 1], [20, 40, 33, 7], 16, torch.float32, seed=9, softcap=0.8)
 
 
 @interpreted
@@ -176,7 +186,7 @@ def test_the_custom_op_passes_opcheck(kernels):
     slot_mapping = (block_tables[[0, 0, 0, 0, 1], [1, 1, 1, 1, 0]].long() * 16 + torch.tensor([16, 17, 18, 19, 2]) % 16)
     kv_cache = torch.stack([k_cache, v_cache])[:, None]  # one layer's: [2, 1, num_blocks, block_size, Hkv, D]
     args = (q, k, v, kv_cache, 0, slot_mapping, cumsum0([4, 1]), torch.tensor([20, 3], dtype=torch.int32),
-            block_tables, 0.3)
+            block_tables, 0.3, 1.5)  # softcap 1.5: Gemma 2's capped scores
     torch.library.opcheck(torch.ops.nanoserve.triton_attention.default, args)
 
 
@@ -204,6 +214,18 @@ def test_engine_matches_transformers(tiny_models):
     assert [o.token_ids for o in [first, *rest]] == expected
     assert rest[3].num_cached_tokens == 16  # the prefix hit
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+@interpreted
+def test_gemma2_engine_matches_transformers(tmp_path):
+    """Gemma 2 (soft-capped scores, query_pre_attn_scalar's scale) through the triton backend is token-exact
+    with transformers' eager attention. Catches the backend's softcap not reaching the kernel."""
+    from test_gemma import GEMMAS, MAX_TOKENS, PROMPTS
+    path = conftest.build_tiny_model(str(tmp_path), **GEMMAS["gemma2"])
+    llm = LLM(path, attention_backend="triton", device="cpu", dtype="float32", block_size=16)
+    outputs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)
+    expected = conftest.hf_greedy(path, PROMPTS, MAX_TOKENS, attn_implementation="eager")
+    assert [o.token_ids for o in outputs] == expected
 
 
 @interpreted

@@ -140,7 +140,7 @@ def attention_as_op(backend: object) -> None:
         plan = backend.prepare
         backend.prepare = lambda batch, block_size, dtype: flatten_plan(plan(batch, block_size, dtype), dtype)
         backend.forward = lambda q, k, v, kv_cache, layer, tensors: torch.ops.nanoserve.paged_attention(
-            q, k, v, kv_cache, layer, list(tensors), backend.scale)
+            q, k, v, kv_cache, layer, list(tensors), backend.scale, backend.softcap)
     elif isinstance(backend, FlashBackend):
         backend.forward = torch.compiler.disable(backend.forward)
 
@@ -224,7 +224,7 @@ def unflatten_plan(slot_mapping: Tensor, sizes: Tensor, bounds: Tensor, rows: Te
 
 @torch.library.custom_op("nanoserve::paged_attention", mutates_args=("kv_cache",))
 def paged_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, tensors: list[Tensor],
-                       scale: float) -> Tensor:
+                       scale: float, softcap: float) -> Tensor:
     """The torch backend's attention for layer `layer` (attention.py), as one op.
 
     q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`. Its plan is read back from `flatten_plan`'s `tensors`.
@@ -233,7 +233,7 @@ def paged_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer:
     k_cache, v_cache = kv_cache[:, layer]  # views taken inside the op: it declares the whole cache mutated
     plan = unflatten_plan(*tensors, k_cache.shape[1])
     store_kvcache(k, v, k_cache, v_cache, plan.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, plan, scale).contiguous()
+    return paged_attention(q, k_cache, v_cache, plan, scale, softcap).contiguous()
 
 
 @paged_attention_op.register_fake

@@ -35,6 +35,7 @@ from torch import Tensor
 from nanoserve.batch import Batch, build_batch
 from nanoserve.config import Config, cdiv
 from nanoserve.extensions.compilation import summarize_error
+from nanoserve.layers.softcap import softcap
 from nanoserve.sampler import SamplingParams
 from nanoserve.seams import Runner
 from nanoserve.sequence import Sequence
@@ -77,7 +78,9 @@ class DecodeGraphs:
         static.block_tables.zero_()
         static.block_tables[:n, :batch.block_tables.shape[1]] = batch.block_tables
         # the replay returns every row's final hidden state, [size, hidden]; lm_head takes the rows that sample
-        return self.model.lm_head(replay()[batch.logits_indices]).float()
+        logits = self.model.lm_head(replay()[batch.logits_indices]).float()
+        cap = getattr(self.model, "final_logit_softcapping", None)  # Gemma 2's, as models/gemma.py's forward caps
+        return logits if cap is None else softcap(logits, cap)
 
 
 def capture_graphs(runner: Runner, config: Config, max_model_len: int) -> DecodeGraphs | None:

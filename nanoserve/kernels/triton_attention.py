@@ -61,15 +61,17 @@ def find_request(query_start_loc_ptr, num_requests, tile, BLOCK_Q: tl.constexpr)
 # one compiled kernel for every batch size and table width (triton would specialize ints equal to 1 or divisible by 16)
 @triton.jit(do_not_specialize=["num_requests", "block_table_stride"])
 def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-                           query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, num_requests, scale,
+                           query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, num_requests, scale, softcap,
                            q_token_stride, q_head_stride, out_token_stride, out_head_stride,
                            cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride, block_size,
                            GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-                           DOT_PRECISION: tl.constexpr):
+                           DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """One program per (query tile, KV head). The tile's queries attend to their request's keys through
     its block table. Each query comes with the GROUP query heads that read this KV head.
-    GROUP_P is GROUP rounded up to a power of two. A tile holds BLOCK_M // GROUP_P queries."""
+    GROUP_P is GROUP rounded up to a power of two. A tile holds BLOCK_M // GROUP_P queries.
+    With SOFTCAP (Gemma 2) the scores become tanh(scores / softcap) * softcap before the mask.
+    tanh is written with exp, since triton has no tanh of its own."""
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     b = find_request(query_start_loc_ptr, num_requests, tile, BLOCK_Q)
@@ -109,6 +111,8 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         v = tl.load(v_cache_ptr + cache[:, None] + dims,
                     mask=key_ok[:, None] & dim_ok, other=0.0)  # [TILE_N, BLOCK_D]
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N]
+        if SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1), which is +-1, not NaN, where exp(2x) overflows
+            scores = (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0)) * softcap
         seen = key_ok & (keys <= last_key[:, None])  # [BLOCK_M, TILE_N]
         scores = tl.where(seen, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))  # [BLOCK_M]
@@ -125,10 +129,11 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
-                    block_tables: Tensor, scale: float) -> Tensor:
+                    block_tables: Tensor, scale: float, softcap: float = 0.0) -> Tensor:
     """q `[N, H, D]` -> `[N, H, D]`. Request b's queries are rows query_start_loc[b]:query_start_loc[b + 1].
-    They attend to its first seq_lens[b] keys, in blocks block_tables[b] of the caches. The grid depends
-    only on shapes, never on the lengths' values. So a CUDA graph or a compiled step can replay it."""
+    They attend to its first seq_lens[b] keys, in blocks block_tables[b] of the caches. A nonzero softcap
+    caps the scores (Gemma 2). The grid depends only on shapes, never on the lengths' values. So a CUDA
+    graph or a compiled step can replay it."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_requests = k_cache.shape[2], len(seq_lens)
     group = num_heads // num_kv_heads
@@ -140,12 +145,13 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc
     assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     grid = (num_tokens // (block_m // group_p) + num_requests, num_kv_heads)
     paged_attention_kernel[grid](
-        out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_requests, scale,
+        out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_requests, scale, softcap,
         *q.stride()[:2], *out.stride()[:2],  # token and head strides
         *k_cache.stride()[:3], block_tables.stride(0), k_cache.shape[1],  # block, slot and head strides
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs 16 or more
         BLOCK_M=block_m, TILE_N=32,
         # float32 on a GPU: exact products, not TF32's, so that float32 stays token-exact with transformers
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None)  # None: the default for 16 bits
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # None: the default for 16 bits
+        SOFTCAP=softcap != 0.0)
     return out

@@ -1,6 +1,7 @@
 """RMSNorm: x / sqrt(mean(x^2) + eps) * weight. It is computed as Hugging Face's Llama computes it.
 So float32 results are bit-identical, and bfloat16 ones round the same way. `norm_heads` is Qwen3's
-q/k norm, the same RMSNorm over each attention head."""
+q/k norm, the same RMSNorm over each attention head. `GemmaRMSNorm` is Gemma's. It scales by
+(1 + weight), in float32."""
 from __future__ import annotations
 
 import torch
@@ -18,6 +19,16 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + weight). The checkpoint stores weight - 1 (zeros at
+    init). Unlike Llama's, the weight multiplies in float32 and the product is cast back, as HF's Gemma does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def norm_heads(qk: torch.Tensor, num_heads: int, q_norm: RMSNorm, k_norm: RMSNorm) -> torch.Tensor:

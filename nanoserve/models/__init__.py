@@ -1,7 +1,7 @@
-"""Model implementations: Llama (llama.py), which runs every family nanoserve serves.
-`load_model` (loader.py) builds it with the `Family` (families.py) that the checkpoint's config.json
-describes. The Family says what its architecture (a row in `families.MODELS`) and config.json change
-from Llama's layers.
+"""Model implementations: Llama (llama.py), which runs every family nanoserve serves but Gemma's.
+Gemma, Gemma 2 and Gemma 3 (gemma.py) reuse Llama's layers. `load_model` (loader.py) builds a model with
+the `Family` (families.py) that the checkpoint's config.json describes. The Family says what its
+architecture (a row in `families.MODELS`) and config.json change from Llama's layers.
 
 docs/models.md, "Adding a family", says how to add a model family. In short:
 - Add a row in `families.MODELS`. A new kind of difference also needs a `Family` field, used where

@@ -20,8 +20,9 @@ from nanoserve.models import get_head_dim
 
 @dataclass(frozen=True)
 class Family:
-    """A MODELS row sets the first three fields, which are the same for every checkpoint of the
-    architecture. `describe` fills in the rest from one checkpoint's config.json."""
+    """A MODELS row sets the fields that are the same for every checkpoint of the architecture.
+    They are architecture, qkv_bias, qk_norm, implementation, hidden_act and sandwich_norms. `describe`
+    fills in the rest from one checkpoint's config.json."""
     architecture: str  # config.json's `architectures` entry, e.g. "Qwen3ForCausalLM"
     qkv_bias: bool = False  # q, k and v projections have a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and of k, before RoPE (Qwen3)
@@ -30,6 +31,21 @@ class Family:
     # rope_type ("default" or "llama3"), rope_theta and llama3's scaling (layers/rotary_embedding.py)
     rope_parameters: dict = field(default_factory=dict, hash=False)
     sliding_window: int | None = None  # attention sees only the last this-many tokens; None: the whole context
+    # Gemma's differences (models/gemma.py)
+    implementation: str = "llama"  # the models/ module that builds it: "llama" or "gemma"
+    hidden_act: str = "silu"  # the MLP's activation, which config.json must name
+    sandwich_norms: bool = False  # a norm after attention and after the MLP too, and one before the MLP (Gemma 2, 3)
+    layer_types: tuple[str, ...] = ()  # "sliding_attention" or "full_attention" per layer; () where config has none
+    query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power (else head_dim's)
+    attn_logit_softcapping: float | None = None  # attention scores become tanh(scores / cap) * cap
+    final_logit_softcapping: float | None = None  # the logits likewise
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, or None where it sees the whole context (a "full_attention"
+        layer). Without layer_types, every layer has the model's sliding_window."""
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
 
 # The architectures nanoserve runs, as in vLLM's registry: all are Llama's layers, with these differences.
@@ -38,6 +54,11 @@ MODELS: dict[str, Family] = {
     "MistralForCausalLM": Family("MistralForCausalLM"),  # a sliding window, if any, is `describe`'s
     "Qwen2ForCausalLM": Family("Qwen2ForCausalLM", qkv_bias=True),
     "Qwen3ForCausalLM": Family("Qwen3ForCausalLM", qk_norm=True),
+    "GemmaForCausalLM": Family("GemmaForCausalLM", implementation="gemma", hidden_act="gelu_pytorch_tanh"),
+    "Gemma2ForCausalLM": Family("Gemma2ForCausalLM", implementation="gemma", hidden_act="gelu_pytorch_tanh",
+                                sandwich_norms=True),
+    "Gemma3ForCausalLM": Family("Gemma3ForCausalLM", qk_norm=True, implementation="gemma",
+                                hidden_act="gelu_pytorch_tanh", sandwich_norms=True),
 }
 
 
@@ -49,11 +70,22 @@ def describe(config: PretrainedConfig) -> Family:
     if not known:
         raise ValueError(f"unsupported architectures {architectures} (model_type {config.model_type!r}): "
                          f"nanoserve runs {', '.join(MODELS)}")
+    family = MODELS[known[0]]
+    hidden_act = getattr(config, "hidden_activation", None) or config.hidden_act  # Gemma 2 and 3 name it so
+    if hidden_act != family.hidden_act:
+        raise ValueError(f"unsupported hidden_act {hidden_act!r}: nanoserve's {family.architecture} runs "
+                         f"{family.hidden_act!r}")
+    # Gemma 3's rope_parameters hold one dict per layer type; Gemma 2's and 3's soft-capping may be None
+    gemma = {name: getattr(config, name, None)
+             for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")}
+    if family.architecture == "Gemma3ForCausalLM":  # transformers' Gemma 3 never caps attention scores
+        gemma["attn_logit_softcapping"] = None
     # Qwen2's and Qwen3's configs set sliding_window to None where use_sliding_window is false
-    return dataclasses.replace(MODELS[known[0]], head_dim=get_head_dim(config),
+    return dataclasses.replace(family, head_dim=get_head_dim(config),
                                tie_word_embeddings=config.tie_word_embeddings,
                                rope_parameters=dict(config.rope_parameters),
-                               sliding_window=getattr(config, "sliding_window", None))
+                               sliding_window=getattr(config, "sliding_window", None),
+                               layer_types=tuple(getattr(config, "layer_types", None) or ()), **gemma)
 
 
 def check_max_model_len(config: PretrainedConfig, family: Family, max_model_len: int) -> None:

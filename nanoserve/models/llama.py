@@ -149,6 +149,7 @@ class LlamaForCausalLM(nn.Module):
     """The model: `model.*` and `lm_head`, as the checkpoint names them. `family` (families.py) says what
     this checkpoint's layers differ in from Llama's."""
     checkpoint_modules = CHECKPOINT_MODULES  # how the checkpoint's modules become ours (loader.py reads it)
+    model_class = LlamaModel  # HF's `model.*` half (models/gemma.py has its own)
 
     def __init__(self, config: PretrainedConfig, family: Family, attention_backend: str, shard: Shard):
         super().__init__()
@@ -156,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = family.head_dim
         self.num_layers = config.num_hidden_layers
         self.vocab_size = config.vocab_size
-        self.model = LlamaModel(config, family, attention_backend, shard)
+        self.model = self.model_class(config, family, attention_backend, shard)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # in this rank's KV cache: its layers'
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // shard.size, bias=False)  # a vocab range
 

@@ -28,8 +28,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from nanoserve.distributed import Shard
 from nanoserve.layers.linear import pack_linears
 from nanoserve.models.families import Family, describe
+from nanoserve.models.gemma import GemmaForCausalLM
 from nanoserve.models.llama import LlamaForCausalLM
 from nanoserve.seams import WeightTransform
+
+# The model class of each `Family.implementation`
+IMPLEMENTATIONS = {"llama": LlamaForCausalLM, "gemma": GemmaForCausalLM}
 
 
 class Checkpoint(NamedTuple):
@@ -50,7 +54,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
     made of this shard's weights (the weight transform seam, seams.py: int8 quantization)."""
     folder, config, family = checkpoint
     with torch.device("meta"):  # shapes only: every parameter is replaced by a checkpoint tensor
-        model = LlamaForCausalLM(config, family, attention_backend, shard)
+        model = IMPLEMENTATIONS[family.implementation](config, family, attention_backend, shard)
     tied = family.tie_word_embeddings
     parts = {name: checkpoint_parts(name, model.checkpoint_modules) for name, _ in model.named_parameters()
              if not (name == "lm_head.weight" and tied)}
@@ -99,8 +103,6 @@ def read_checkpoint(path: str) -> Checkpoint:
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         raise ValueError("attention_bias / mlp_bias are not supported: of the linears, only q, k and v may "
                          "have a bias (Qwen2's)")
-    if config.hidden_act != "silu":
-        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: the MLP here is SwiGLU ('silu')")
     if config.num_attention_heads % config.num_key_value_heads:
         raise ValueError(f"num_attention_heads={config.num_attention_heads} is not a multiple of "
                          f"num_key_value_heads={config.num_key_value_heads}: query heads must share kv heads evenly")

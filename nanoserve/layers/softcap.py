@@ -1,0 +1,26 @@
+"""Soft-capping (Gemma 2): x becomes tanh(x / cap) * cap, which keeps x between -cap and cap and leaves small x
+almost as they are. Gemma 2 caps its attention scores before the mask and softmax, and its final logits.
+SDPA has no such step, so `attend_softcapped` writes attention out in plain PyTorch for the torch backend."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def softcap(x: Tensor, cap: float) -> Tensor:
+    return torch.tanh(x / cap) * cap
+
+
+def attend_softcapped(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float, mask: Tensor | None,
+                      is_causal: bool) -> Tensor:
+    """attention.attend with capped scores: q `[B, Sq, H, D]`, k, v `[B, L, Hkv, D]` -> `[B, Sq, H, D]`. `mask`
+    is SDPA's: bool (True: the key is seen) or added to the scores; is_causal: query i sees keys 0..i."""
+    k, v = (x.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for x in (k, v))  # [B, L, H, D]: kv head per q head
+    scores = softcap(torch.einsum("bqhd,bkhd->bhqk", q, k) * scale, cap)  # [B, H, Sq, L]
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores + mask
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
