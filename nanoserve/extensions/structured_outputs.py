@@ -11,7 +11,8 @@ A request's grammar goes through three stages (docs/structured-outputs.md):
    on or takes too long over fails its request with an InvalidRequest naming structured_outputs;
 3. each step, `apply_grammar_masks` fills one bitmask row per constrained request from its matcher (the
    grammar's state after the output so far) and sets the logits of the tokens outside it to -inf; the
-   sampled token then advances the matcher (`RequestGrammar.accept`, from Sequence.append_token).
+   sampled token then advances the matcher (`RequestGrammar.accept`, from Sequence.append_token). Either taking
+   over STEP_SECONDS fails the request alone, since every stream in the step waits for it.
 Invariant: a request's matcher has accepted exactly its output tokens. A preempted request keeps its
 tokens and its matcher; recomputing the prompt samples nothing, so the matcher is not advanced twice.
 The grammar ends with the stop token (EOS): once accepted, the matcher is terminated and the request
@@ -27,6 +28,7 @@ from collections.abc import Collection
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from functools import cached_property
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -43,6 +45,10 @@ if TYPE_CHECKING:
 CACHE_SIZE = 256  # compiled grammars kept, the least recently asked for dropped first,
 CACHE_BYTES = 512 * 2**20  # and at most this many bytes of them (xgrammar's memory_size_bytes)
 SMALL_SPEC_CHARS = 4096  # a spec this short compiles in a lane of its own, never queued behind a large one
+# One request's grammar work in one step: its mask, or its token's advance. It runs on the engine's thread, so every
+# stream waits for it. Some grammars (`(([a-z ]*)*)*`) take longer at each token: 186 ms at the 50th. A normal
+# grammar takes under a millisecond. Past this, the request fails alone (finish_reason "error").
+STEP_SECONDS = 0.2
 
 
 @dataclass(frozen=True)
@@ -98,13 +104,22 @@ class RequestGrammar:
             self.matcher = xgr.GrammarMatcher(self.compiled.result())
         return self.matcher
 
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Set bitmask's row to the tokens the grammar allows now. An InvalidRequest if it took over STEP_SECONDS
+        (the row is filled anyway)."""
+        started = perf_counter()
+        self.start().fill_next_token_bitmask(bitmask, row)
+        check_time(perf_counter() - started, "mask the next token")
+
     def accept(self, token: int) -> Exception | None:
         """Advance the matcher by token; None, or the error that fails the request (never the step): the
-        grammar refused a token its mask allowed, or failed."""
+        grammar refused a token its mask allowed, took over STEP_SECONDS, or failed."""
         try:
-            if self.start().accept_token(token):
-                return None
-            return RuntimeError(f"structured_outputs: the grammar refused token {token}, which its mask allowed")
+            started = perf_counter()
+            if not self.start().accept_token(token):
+                return RuntimeError(f"structured_outputs: the grammar refused token {token}, which its mask allowed")
+            check_time(perf_counter() - started, "accept a token")
+            return None
         except Exception as error:  # a compile that failed (compiled.result() raises), a matcher that fails
             return error
 
@@ -234,6 +249,13 @@ class GrammarCompiler:
                 worker.stop()
 
 
+def check_time(seconds: float, what: str) -> None:
+    """A grammar's work in one step took `seconds`: past STEP_SECONDS, an InvalidRequest that fails its request."""
+    if seconds > STEP_SECONDS:
+        raise InvalidRequest("structured_outputs", f"structured_outputs took {seconds:.2f} s to {what}, over this "
+                                                   f"server's limit of {STEP_SECONDS} s per token")
+
+
 def failure(future: Future) -> BaseException | None:
     """A future's exception once done: CancelledError if it was cancelled (Future.exception would raise it); None
     while it runs, or once it succeeded."""
@@ -259,7 +281,7 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     masked = []  # the rows whose grammar filled its mask
     for row in rows:
         try:
-            seqs[row].grammar.start().fill_next_token_bitmask(bitmask, row)
+            seqs[row].grammar.fill(bitmask, row)
             masked.append(row)
         except Exception as error:  # this request's grammar: its failure, not the step's
             seqs[row].error = error
