@@ -212,15 +212,38 @@ def test_unmatched_closing_brackets_do_not_lower_the_measured_depth():
     ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "allOf"),
     ({"type": []}, "type"),
     ({"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}, "$ref"),
-], ids=["not", "contradictory-allOf", "empty-type", "remote-ref"])
+    ({"type": "string", "pattern": "^(?!admin).*$"}, "lookahead"),
+    ({"type": "string", "pattern": "(?<=a)b"}, "lookbehind"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "array", "contains": {"const": 3}}, "contains"),
+    ({"type": "array", "maxContains": 2}, "maxContains"),
+    ({"if": {"type": "integer"}, "then": {"minimum": 3}, "else": {"type": "string"}}, "if"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+    ({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, "oneOf"),
+    ({"type": "integer", "minimum": 5, "maximum": 2}, "minimum"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength"),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems"),
+    ({"enum": []}, "enum"),
+    ({"type": "object", "required": ["a"], "additionalProperties": False}, "required"),
+], ids=["not", "contradictory-allOf", "empty-type", "remote-ref", "lookahead", "lookbehind", "uniqueItems",
+        "contains", "maxContains", "if-then-else", "overlapping-oneOf", "overlapping-oneOf-types",
+        "minimum-over-maximum", "minLength-over-maxLength", "minItems-over-maxItems", "empty-enum",
+        "required-but-forbidden"])
 def test_a_schema_no_output_can_satisfy_is_refused_naming_the_keyword(schema, keyword):
     """xgrammar ignores these keywords, so the output never validated, yet the request was accepted (200).
     Catches: any of them accepted; a property or an enum value that merely has the keyword's name refused."""
     with pytest.raises(InvalidRequest, match=re.escape(keyword)):
         check_bounds({"json": schema})
     check_bounds({"json": {"allOf": [{"type": "number"}, {"type": "integer"}], "$defs": {"x": {"$ref": "#/a"}}}})
-    names = {"not": {"type": "string"}, "type": {"enum": [{"not": 1}]}}  # a property and a value, no keywords
+    names = {"not": {"type": "string"}, "type": {"enum": [{"not": 1}]}, "if": {"type": "string"},
+             "uniqueItems": {"const": True}}  # properties and values, no keywords
     check_bounds({"json": {"type": "object", "properties": names}})
+    # what xgrammar enforces: a oneOf of types apart, a tagged union, uniqueItems false, a group that is no lookahead
+    tagged = [{"type": "object", "properties": {"kind": {"const": kind}}, "required": ["kind"]} for kind in "ab"]
+    for fine in ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, {"oneOf": tagged},
+                 {"type": "array", "uniqueItems": False}, {"type": "string", "pattern": "(?:ab)+=!"},
+                 {"type": "integer", "minimum": 2, "maximum": 2}):
+        check_bounds({"json": fine})
 
 
 def test_a_compile_past_the_workers_memory_limit_fails_alone(llm):
