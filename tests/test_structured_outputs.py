@@ -233,11 +233,52 @@ def test_the_grammar_cache_is_bounded_by_bytes(austen):
     engine = austen.engine
     grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size, {2})
     specs = [StructuredOutputsParams(regex=f"[a-z]{{{n}}}") for n in (200, 201, 202)]
-    sizes = [grammars.submit(spec).result(timeout=30).memory_size_bytes for spec in specs[:2]]
+    for spec in specs[:2]:
+        grammars.submit(spec).result(timeout=30)
+    sizes = [grammars.sizes[spec.key] for spec in specs[:2]]
     grammars.cache_bytes = sum(sizes) + 1  # room for the two, not for a third
     grammars.submit(specs[2]).result(timeout=30)
     grammars.submit(specs[2])  # evicts once the third's size is known
     assert list(grammars.cache) == [specs[1].key, specs[2].key]
+
+    # 30 `format: email` strings: xgrammar's memory_size_bytes says 1.4 MiB, yet each copy read back holds
+    # ~24 MiB (resident memory measured after malloc_trim). Catches: the cache counting memory_size_bytes.
+    emails = {"type": "object", "properties": {f"f{i}": {"type": "string", "format": "email"} for i in range(30)},
+              "required": [f"f{i}" for i in range(30)]}
+    grammars.cache_bytes = 8 * 2**20
+    grammars.submit(StructuredOutputsParams(json=emails)).result(timeout=120)
+    grammars.submit(specs[0])  # evicts the emails' grammar: it holds far over 8 MiB
+    assert StructuredOutputsParams(json=emails).key not in grammars.cache
+    grammars.close()
+
+
+def test_a_compile_every_waiter_left_while_it_ran_never_enters_the_cache(austen, monkeypatch):
+    """A server request that waited past its budget got a 400 and left; its compile ran on. Catches: that compile
+    then kept in the cache (it held memory no request asked for), or dropped though a request asked again."""
+    engine = austen.engine
+    grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size, {2})
+    started, release = threading.Event(), threading.Event()
+
+    def compile_now(spec):
+        started.set()
+        release.wait(30)
+        return spec.key
+
+    monkeypatch.setattr(grammars, "compile_now", compile_now)
+    left, kept = StructuredOutputsParams(regex="[a-z]{5}"), StructuredOutputsParams(regex="[a-z]{6}")
+    future = grammars.submit(left, waiting=True)
+    assert started.wait(30)
+    grammars.leave(left)  # while it runs
+    release.set()
+    assert future.result(timeout=30) == left.key and left.key not in grammars.cache
+    started.clear(), release.clear()
+    future = grammars.submit(kept, waiting=True)
+    assert started.wait(30)
+    grammars.leave(kept)
+    grammars.submit(kept, waiting=True)  # asked for again while it runs: kept
+    release.set()
+    future.result(timeout=30)
+    assert kept.key in grammars.cache
 
 
 class FakeClock:
