@@ -6,6 +6,8 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -119,6 +121,37 @@ def test_a_compile_past_the_workers_time_limit_fails_alone(llm, unbounded):
     assert llm.generate(PROMPTS[:1], grammar(json=again, max_tokens=400), use_tqdm=False)[0].outputs[0].text
 
 
+def test_a_worker_that_died_while_idle_is_replaced_at_the_next_compile(llm):
+    """Catches: a worker reused because it once started, though its process has ended since (killed by the OS
+    while idle): every later compile on its lane then fails for good."""
+    engine = llm.engine
+    grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size, {2})
+    try:
+        grammars.submit(StructuredOutputsParams(regex="[0-9]{2}")).result(timeout=200)
+        (worker,) = grammars.workers.values()  # the small lane's
+        worker.process.kill()
+        worker.process.wait()
+        for regex in ("[a-c]{3}", "[d-f]{3}"):  # new specs, never cached
+            grammars.submit(StructuredOutputsParams(regex=regex)).result(timeout=200)
+    finally:
+        grammars.close()
+
+
+def test_the_workers_memory_limit_is_its_size_now_plus_memory_bytes():
+    """limit_memory reads /proc/self/statm (pages); this reads VmSize in /proc/self/status (kB), another source.
+    Catches: statm's pages read as bytes or as kB (the limit then sits below the process's size, or far above)."""
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("the worker's memory limit needs Linux (macOS ignores RLIMIT_AS)")
+    code = ("import re, resource; from nanoserve.extensions.grammar_workers import limit_memory; "
+            "size = int(re.search(r'VmSize:\\s+(\\d+) kB', open('/proc/self/status').read())[1]) * 1024; "
+            "limit_memory(2**30); print(size, resource.getrlimit(resource.RLIMIT_AS)[0])")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": root}).stdout
+    size, limit = map(int, out.split())
+    assert abs(limit - (size + 2**30)) < 16 * 2**20  # what the process mapped in between: a few MB at most
+
+
 def test_async_llm_raises_invalid_request_for_a_grammar_that_fails_to_compile(llm, unbounded):
     """Catches: a failed compile (here a crashed worker) reported by AsyncLLM as an EngineGenerateError, as if
     the engine failed, instead of bad input."""
@@ -160,6 +193,10 @@ def test_stacked_quantifiers_count_as_nesting_and_all_quantifiers_are_bounded():
     assert refused(json=CHAIN) and refused(regex="a" + "*" * 30000) and refused(regex="a" + "{1}" * 17)
     assert not refused(regex="a" + "{1}" * 16) and not refused(regex="[a-z]+@[a-z]+\\.(com|org)?")
     assert refused(regex="a?" * 1100)  # 1,100 quantifiers, none stacked
+    # over the whole schema, not per pattern: three patterns of 400 each (a count per pattern accepts it)
+    properties = {name: {"type": "string", "pattern": "a?" * 400} for name in "xyz"}
+    assert refused(json={"type": "object", "properties": properties})
+    assert not refused(json={"type": "object", "properties": {"x": properties["x"]}})
     assert refused(json={"type": "object", "patternProperties": {"a" + "+" * 20: {"type": "string"}}})
 
 
@@ -175,15 +212,38 @@ def test_unmatched_closing_brackets_do_not_lower_the_measured_depth():
     ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "allOf"),
     ({"type": []}, "type"),
     ({"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}, "$ref"),
-], ids=["not", "contradictory-allOf", "empty-type", "remote-ref"])
+    ({"type": "string", "pattern": "^(?!admin).*$"}, "lookahead"),
+    ({"type": "string", "pattern": "(?<=a)b"}, "lookbehind"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "array", "contains": {"const": 3}}, "contains"),
+    ({"type": "array", "maxContains": 2}, "maxContains"),
+    ({"if": {"type": "integer"}, "then": {"minimum": 3}, "else": {"type": "string"}}, "if"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+    ({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, "oneOf"),
+    ({"type": "integer", "minimum": 5, "maximum": 2}, "minimum"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength"),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems"),
+    ({"enum": []}, "enum"),
+    ({"type": "object", "required": ["a"], "additionalProperties": False}, "required"),
+], ids=["not", "contradictory-allOf", "empty-type", "remote-ref", "lookahead", "lookbehind", "uniqueItems",
+        "contains", "maxContains", "if-then-else", "overlapping-oneOf", "overlapping-oneOf-types",
+        "minimum-over-maximum", "minLength-over-maxLength", "minItems-over-maxItems", "empty-enum",
+        "required-but-forbidden"])
 def test_a_schema_no_output_can_satisfy_is_refused_naming_the_keyword(schema, keyword):
     """xgrammar ignores these keywords, so the output never validated, yet the request was accepted (200).
     Catches: any of them accepted; a property or an enum value that merely has the keyword's name refused."""
     with pytest.raises(InvalidRequest, match=re.escape(keyword)):
         check_bounds({"json": schema})
     check_bounds({"json": {"allOf": [{"type": "number"}, {"type": "integer"}], "$defs": {"x": {"$ref": "#/a"}}}})
-    names = {"not": {"type": "string"}, "type": {"enum": [{"not": 1}]}}  # a property and a value, no keywords
+    names = {"not": {"type": "string"}, "type": {"enum": [{"not": 1}]}, "if": {"type": "string"},
+             "uniqueItems": {"const": True}}  # properties and values, no keywords
     check_bounds({"json": {"type": "object", "properties": names}})
+    # what xgrammar enforces: a oneOf of types apart, a tagged union, uniqueItems false, a group that is no lookahead
+    tagged = [{"type": "object", "properties": {"kind": {"const": kind}}, "required": ["kind"]} for kind in "ab"]
+    for fine in ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, {"oneOf": tagged},
+                 {"type": "array", "uniqueItems": False}, {"type": "string", "pattern": "(?:ab)+=!"},
+                 {"type": "integer", "minimum": 2, "maximum": 2}):
+        check_bounds({"json": fine})
 
 
 def test_a_compile_past_the_workers_memory_limit_fails_alone(llm):

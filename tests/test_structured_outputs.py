@@ -233,8 +233,127 @@ def test_the_grammar_cache_is_bounded_by_bytes(austen):
     engine = austen.engine
     grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size, {2})
     specs = [StructuredOutputsParams(regex=f"[a-z]{{{n}}}") for n in (200, 201, 202)]
-    sizes = [grammars.submit(spec).result(timeout=30).memory_size_bytes for spec in specs[:2]]
+    for spec in specs[:2]:
+        grammars.submit(spec).result(timeout=30)
+    sizes = [grammars.sizes[spec.key] for spec in specs[:2]]
     grammars.cache_bytes = sum(sizes) + 1  # room for the two, not for a third
     grammars.submit(specs[2]).result(timeout=30)
     grammars.submit(specs[2])  # evicts once the third's size is known
     assert list(grammars.cache) == [specs[1].key, specs[2].key]
+
+    # 30 `format: email` strings: xgrammar's memory_size_bytes says 1.4 MiB, yet each copy read back holds
+    # ~24 MiB (resident memory measured after malloc_trim). Catches: the cache counting memory_size_bytes.
+    emails = {"type": "object", "properties": {f"f{i}": {"type": "string", "format": "email"} for i in range(30)},
+              "required": [f"f{i}" for i in range(30)]}
+    grammars.cache_bytes = 8 * 2**20
+    grammars.submit(StructuredOutputsParams(json=emails)).result(timeout=120)
+    grammars.submit(specs[0])  # evicts the emails' grammar: it holds far over 8 MiB
+    assert StructuredOutputsParams(json=emails).key not in grammars.cache
+    grammars.close()
+
+
+def test_a_compile_every_waiter_left_while_it_ran_never_enters_the_cache(austen, monkeypatch):
+    """A server request that waited past its budget got a 400 and left; its compile ran on. Catches: that compile
+    then kept in the cache (it held memory no request asked for), or dropped though a request asked again."""
+    engine = austen.engine
+    grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size, {2})
+    started, release = threading.Event(), threading.Event()
+
+    def compile_now(spec):
+        started.set()
+        release.wait(30)
+        return spec.key
+
+    monkeypatch.setattr(grammars, "compile_now", compile_now)
+    left, kept = StructuredOutputsParams(regex="[a-z]{5}"), StructuredOutputsParams(regex="[a-z]{6}")
+    future = grammars.submit(left, waiting=True)
+    assert started.wait(30)
+    grammars.leave(left)  # while it runs
+    release.set()
+    assert future.result(timeout=30) == left.key and left.key not in grammars.cache
+    started.clear(), release.clear()
+    future = grammars.submit(kept, waiting=True)
+    assert started.wait(30)
+    grammars.leave(kept)
+    grammars.submit(kept, waiting=True)  # asked for again while it runs: kept
+    release.set()
+    future.result(timeout=30)
+    assert kept.key in grammars.cache
+
+
+class FakeClock:
+    """perf_counter for structured_outputs.py: each call advances it `step` more than the call before, so the
+    grammar's work seems to take longer at each token, as `(([a-z ]*)*)*`'s does."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step, self.calls = 0.0, step, 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        self.now += self.step * self.calls
+        return self.now
+
+
+def run_beside(engine, hostile_params, plain_params):
+    """Step the engine with a hostile and a plain request to the end; their outputs by name."""
+    ids = {"hostile": engine.add_request(PROMPTS[0], hostile_params), "plain": engine.add_request(PROMPTS[1],
+                                                                                                  plain_params)}
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step().outputs)
+    return {name: finished[request_id] for name, request_id in ids.items()}
+
+
+def test_a_grammar_slower_each_token_fails_alone_past_its_step_budget(austen, monkeypatch):
+    """A grammar's mask and advance run on the engine's thread: a slow one stalls every stream. Past STEP_SECONDS
+    its request fails alone ("error", naming structured_outputs); the plain request beside it gets its tokens as
+    alone. Catches: no time limit on the mask or the advance (the hostile request runs to its 40 tokens), the
+    limit failing the step or the request beside it, or a wrong row masked once one failed."""
+    from nanoserve.extensions import structured_outputs
+    plain = SamplingParams(temperature=0, max_tokens=30)
+    alone = austen.generate(PROMPTS[1:2], plain, use_tqdm=False)[0].outputs[0].token_ids
+    hostile = SamplingParams(temperature=1.0, seed=0, min_tokens=40, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(regex="(([a-z ]*)*)*"))
+    # four calls a token (a fill and an accept, each timed): the work measured grows 8 ms a token, past 0.2 s at ~25
+    monkeypatch.setattr(structured_outputs, "perf_counter", FakeClock(0.002))
+    out = run_beside(austen.engine, hostile, plain)
+    assert out["plain"].outputs[0].token_ids == alone
+    assert out["hostile"].finish_reason == "error" and out["hostile"].error.param == "structured_outputs"
+    assert "limit" in str(out["hostile"].error) and len(out["hostile"].outputs[0].token_ids) < 40
+    # the same request with its work measured as quick runs to its length: the limit, not the regex, failed it
+    monkeypatch.setattr(structured_outputs, "perf_counter", lambda: 0.0)
+    out = run_beside(austen.engine, hostile, plain)
+    assert out["hostile"].finish_reason == "length" and out["plain"].outputs[0].token_ids == alone
+    austen.engine.assert_invariants()
+
+
+class SlowMatcher:
+    """A matcher whose mask and advance each take `seconds` on a fake clock."""
+
+    def __init__(self, clock: list[float], seconds: float) -> None:
+        self.clock, self.seconds = clock, seconds
+
+    def fill_next_token_bitmask(self, bitmask, row) -> None:
+        self.clock[0] += self.seconds
+
+    def accept_token(self, token) -> bool:
+        self.clock[0] += self.seconds
+        return True
+
+
+@pytest.mark.parametrize("seconds, fails", [(0.19, False), (0.21, True)])
+def test_a_mask_or_an_advance_past_step_seconds_is_an_error_naming_structured_outputs(monkeypatch, seconds, fails):
+    # Catches: a limit compared the wrong way, or only on the mask (an advance can be as slow).
+    from nanoserve.extensions import structured_outputs
+    monkeypatch.setattr(structured_outputs, "STEP_SECONDS", 0.2)
+    clock = [0.0]
+    monkeypatch.setattr(structured_outputs, "perf_counter", lambda: clock[0])
+    grammar = RequestGrammar(Future())
+    grammar.matcher = SlowMatcher(clock, seconds)
+    error = grammar.accept(5)
+    assert (error is not None) == fails and (not fails or error.param == "structured_outputs")
+    if fails:
+        with pytest.raises(ValueError, match="structured_outputs took 0.21 s to mask"):
+            grammar.fill(None, 0)
+    else:
+        grammar.fill(None, 0)

@@ -114,18 +114,66 @@ def child_role(role: str, key: Any, item: dict | list) -> str:
 
 def check_keywords(schema: dict) -> None:
     """Refuse (InvalidRequest) the keywords xgrammar ignores where ignoring them lets an output break the
-    schema. They are `not`, an `allOf` of types that exclude one another, an empty `type`, and a `$ref`
-    outside the schema."""
-    if "not" in schema:
-        refuse("uses the keyword not, which this server cannot enforce")
-    if schema.get("type") == []:
-        refuse("gives an empty type: no value fits it")
+    schema. They are `not`, `uniqueItems`, `contains`, `if`, a lookahead in `pattern`, a `oneOf` whose
+    members may overlap (xgrammar takes any one), a `$ref` outside the schema, and bounds no value fits."""
+    for keyword in ("not", "contains", "minContains", "maxContains", "if"):
+        if keyword in schema:
+            refuse(f"uses the keyword {keyword}, which this server cannot enforce")
+    if schema.get("uniqueItems") is True:
+        refuse("uses the keyword uniqueItems, which this server cannot enforce")
+    if isinstance(schema.get("pattern"), str) and re.search(r"\(\?<?[=!]", schema["pattern"]):
+        refuse("has a lookahead or lookbehind in a pattern, which this server cannot enforce")
     if isinstance(schema.get("$ref"), str) and not schema["$ref"].startswith("#"):
         refuse("has a $ref outside the schema (a remote one), which this server does not fetch")
+    members = schema.get("oneOf") if isinstance(schema.get("oneOf"), list) else []
+    if any(not disjoint(a, b) for i, a in enumerate(members) for b in members[i + 1:]):
+        refuse("has a oneOf whose members may overlap, which this server enforces as anyOf")
+    check_satisfiable(schema)
+
+
+def check_satisfiable(schema: dict) -> None:
+    """Refuse a schema no value fits: an empty type or enum, a minimum over its maximum, an allOf of types that
+    exclude one another, a required property that additionalProperties false forbids."""
+    if schema.get("type") == [] or schema.get("enum") == []:
+        refuse(f"gives an empty {'type' if schema.get('type') == [] else 'enum'}: no value fits it")
+    for low, high in (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
+                      ("minProperties", "maxProperties")):
+        if all(isinstance(schema.get(k), (int, float)) for k in (low, high)) and schema[low] > schema[high]:
+            refuse(f"has {low} over {high}: no value fits it")
     members = schema.get("allOf") if isinstance(schema.get("allOf"), list) else []
     types = [type_set(m["type"]) for m in members if isinstance(m, dict) and isinstance(m.get("type"), (str, list))]
     if types and not set.intersection(*types):
         refuse("has an allOf whose types exclude one another: no value fits it")
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    if schema.get("additionalProperties") is False and any(name not in properties for name in required):
+        refuse("has required properties that additionalProperties false forbids: no value fits it")
+
+
+def disjoint(a: Any, b: Any) -> bool:
+    """Two oneOf members no value fits both of: their types exclude one another, or a property both require
+    takes different const or enum values in each (a tagged union)."""
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return False
+    if isinstance(a.get("type"), (str, list)) and isinstance(b.get("type"), (str, list)):
+        if not type_set(a["type"]) & type_set(b["type"]):
+            return True
+    return any(values_of(a, name).isdisjoint(values_of(b, name)) for name in required_of(a) & required_of(b)
+               if values_of(a, name) and values_of(b, name))
+
+
+def required_of(schema: dict) -> set[str]:
+    return {name for name in schema.get("required") or () if isinstance(name, str)}
+
+
+def values_of(schema: dict, name: str) -> set[str]:
+    """The values a property may take, where its schema lists them (const or enum; as JSON text); else empty."""
+    properties = schema.get("properties")
+    prop = properties.get(name) if isinstance(properties, dict) else None
+    if not isinstance(prop, dict):
+        return set()
+    values = [prop["const"]] if "const" in prop else prop.get("enum") if isinstance(prop.get("enum"), list) else []
+    return {json.dumps(value, sort_keys=True) for value in values}
 
 
 def type_set(types: str | list) -> set[str]:

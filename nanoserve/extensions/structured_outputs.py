@@ -13,7 +13,8 @@ A request's grammar goes through three stages (docs/structured-outputs.md):
 3. Each step, `apply_grammar_masks` fills one bitmask row per constrained request from its matcher.
    The matcher is the grammar's state after the output so far. The logits of the tokens outside the mask
    become -inf. The sampled token then advances the matcher (`RequestGrammar.accept`, from
-   Sequence.append_token).
+   Sequence.append_token). Either taking over STEP_SECONDS fails the request alone, since every stream
+   in the step waits for it.
 
 Invariant: a request's matcher has accepted exactly its output tokens. A preempted request keeps its
 tokens and its matcher. Recomputing the prompt samples nothing, so the matcher is not advanced twice.
@@ -30,6 +31,7 @@ from collections.abc import Collection
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from functools import cached_property
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -44,8 +46,12 @@ if TYPE_CHECKING:
     from nanoserve.sequence import Sequence
 
 CACHE_SIZE = 256  # compiled grammars kept, the least recently asked for dropped first,
-CACHE_BYTES = 512 * 2**20  # and at most this many bytes of them (xgrammar's memory_size_bytes)
+CACHE_BYTES = 512 * 2**20  # and at most this many bytes of them (`compile_now` says how it counts them)
 SMALL_SPEC_CHARS = 4096  # a spec this short compiles in a lane of its own, never queued behind a large one
+# One request's grammar work in one step: its mask, or its token's advance. It runs on the engine's thread, so every
+# stream waits for it. Some grammars (`(([a-z ]*)*)*`) take longer at each token: 186 ms at the 50th. A normal
+# grammar takes under a millisecond. Past this, the request fails alone (finish_reason "error").
+STEP_SECONDS = 0.2
 
 
 @dataclass(frozen=True)
@@ -105,13 +111,22 @@ class RequestGrammar:
             self.matcher = xgr.GrammarMatcher(self.compiled.result())
         return self.matcher
 
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Set bitmask's row to the tokens the grammar allows now. An InvalidRequest if it took over STEP_SECONDS
+        (the row is filled anyway)."""
+        started = perf_counter()
+        self.start().fill_next_token_bitmask(bitmask, row)
+        check_time(perf_counter() - started, "mask the next token")
+
     def accept(self, token: int) -> Exception | None:
         """Advance the matcher by token. Returns None, or the error that fails the request (never the step).
-        The error is the grammar refusing a token its mask allowed, or failing."""
+        The error is the grammar refusing a token its mask allowed, taking over STEP_SECONDS, or failing."""
         try:
-            if self.start().accept_token(token):
-                return None
-            return RuntimeError(f"structured_outputs: the grammar refused token {token}, which its mask allowed")
+            started = perf_counter()
+            if not self.start().accept_token(token):
+                return RuntimeError(f"structured_outputs: the grammar refused token {token}, which its mask allowed")
+            check_time(perf_counter() - started, "accept a token")
+            return None
         except Exception as error:  # a compile that failed (compiled.result() raises), a matcher that fails
             return error
 
@@ -147,7 +162,8 @@ class GrammarCompiler:
         self.started: list[Future] = []  # `start_workers`
         self.cache: OrderedDict[str, Future] = OrderedDict()
         self.waiters: Counter[str] = Counter()  # spec key -> requests waiting for its compile (`submit`'s waiting)
-        self.lock = threading.Lock()  # over cache, waiters, tokenizer_info and workers: engine and server threads
+        self.sizes: dict[str, int] = {}  # spec key -> bytes its compiled grammar holds (`compile_now`)
+        self.lock = threading.RLock()  # over cache, waiters, tokenizer_info and workers: engine and server threads
         self.cache_bytes = CACHE_BYTES
 
     def compile(self, spec: StructuredOutputsParams) -> RequestGrammar:
@@ -200,23 +216,35 @@ class GrammarCompiler:
     def leave(self, spec: StructuredOutputsParams) -> None:
         """A request that waited for spec's compile stopped waiting. It was compiled, or past its time budget,
         or its client left. A compile not yet started that no request waits for any more is cancelled.
-        Without that, six clients that sent a huge schema and left kept the compile thread busy for 23 s."""
+        Without that, six clients that sent a huge schema and left kept the compile thread busy for 23 s.
+        One already started is dropped once done. Its requests got their answer (a 400), so it must not
+        hold the cache's memory."""
         key = spec.key
         with self.lock:
             self.waiters[key] -= 1
             if self.waiters[key] == 0:
                 del self.waiters[key]
-                if key in self.cache and self.cache[key].cancel():  # False once started
+                future = self.cache.get(key)
+                if future is not None and future.cancel():  # False once started
                     del self.cache[key]
+                elif future is not None and not future.done():
+                    future.add_done_callback(lambda done: self.drop(key, done))
+
+    def drop(self, key: str, future: Future) -> None:
+        """Drop a compile that every waiter left while it ran, unless a request asked for it since."""
+        with self.lock:
+            if key not in self.waiters and self.cache.get(key) is future:
+                del self.cache[key]
+                self.sizes.pop(key, None)
 
     def evict(self) -> None:
         """Drop the least recently asked for grammars past CACHE_SIZE, or past cache_bytes.
         cache_bytes counts the compiled ones' sizes: a 5,000-string enum takes ~75 MB.
         A request holding one keeps it until it ends."""
-        num_bytes = sum(map(num_bytes_of, self.cache.values()))
+        num_bytes = sum(self.sizes.get(key, 0) for key in self.cache)
         while len(self.cache) > CACHE_SIZE or num_bytes > self.cache_bytes and len(self.cache) > 1:
-            _, future = self.cache.popitem(last=False)
-            num_bytes -= num_bytes_of(future)
+            key, _ = self.cache.popitem(last=False)
+            num_bytes -= self.sizes.pop(key, 0)
 
     def worker(self) -> GrammarWorker:
         """In a compile thread: its worker process. It is made at its first grammar. The process starts at
@@ -241,10 +269,15 @@ class GrammarCompiler:
             return self.started
 
     def compile_now(self, spec: StructuredOutputsParams) -> Any:
-        """In a compile thread: spec parsed and compiled by its worker process, read back against the vocabulary."""
+        """In a compile thread: spec parsed and compiled by its worker process, read back against the vocabulary.
+        Its size for the cache is its JSON's length: xgrammar's memory_size_bytes undercounts. A schema of 30
+        `format: email` strings reported 1.4 MiB; each copy read back held 24 MiB, and its JSON was 24.6 MiB."""
         import xgrammar as xgr
         grammar_json = self.worker().run(Job(spec))
-        return xgr.CompiledGrammar.deserialize_json(grammar_json, self.tokenizer_info)
+        compiled = xgr.CompiledGrammar.deserialize_json(grammar_json, self.tokenizer_info)
+        with self.lock:
+            self.sizes[spec.key] = max(len(grammar_json), compiled.memory_size_bytes)
+        return compiled
 
     def close(self) -> None:
         """Stop the worker processes (they also end when this process does)."""
@@ -253,17 +286,19 @@ class GrammarCompiler:
                 worker.stop()
 
 
+def check_time(seconds: float, what: str) -> None:
+    """A grammar's work in one step took `seconds`: past STEP_SECONDS, an InvalidRequest that fails its request."""
+    if seconds > STEP_SECONDS:
+        raise InvalidRequest("structured_outputs", f"structured_outputs took {seconds:.2f} s to {what}, over this "
+                                                   f"server's limit of {STEP_SECONDS} s per token")
+
+
 def failure(future: Future) -> BaseException | None:
     """A future's exception once done. It is CancelledError if it was cancelled (Future.exception would raise
     it). It is None while it runs, or once it succeeded."""
     if not future.done():
         return None
     return CancelledError() if future.cancelled() else future.exception()
-
-
-def num_bytes_of(future: Future) -> int:
-    """A compiled grammar's size (xgrammar's memory_size_bytes); 0 while it compiles, or if it failed."""
-    return future.result().memory_size_bytes if future.done() and failure(future) is None else 0
 
 
 def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -280,7 +315,7 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     masked = []  # the rows whose grammar filled its mask
     for row in rows:
         try:
-            seqs[row].grammar.start().fill_next_token_bitmask(bitmask, row)
+            seqs[row].grammar.fill(bitmask, row)
             masked.append(row)
         except Exception as error:  # this request's grammar: its failure, not the step's
             seqs[row].error = error
