@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-from nanoserve.sampler import is_finite_real, is_int, require
+from nanoserve.sampling_params import is_finite_real, is_int, require
 
 # Without num_kvcache_blocks on a CPU, the KV cache takes at most this share of available RAM.
 CPU_KV_CACHE_FRACTION = 0.1
@@ -63,7 +63,7 @@ class SpeculativeConfig:
                       prompt_lookup_min=high if low is None else low, prompt_lookup_max=low if high is None else high,
                       disable_by_batch_size=config.get("disable_by_batch_size", DISABLE_BY_BATCH_SIZE))
         for name, value in values.items():
-            require(is_int(value) and value >= 1, f"speculative_config: {name}", config.get(name), "a positive int")
+            check_positive_int(f"speculative_config: {name}", value)
         if values["prompt_lookup_min"] > values["prompt_lookup_max"]:
             raise ValueError(f"speculative_config: prompt_lookup_min {low} > prompt_lookup_max {high}")
         return cls(**values)
@@ -128,7 +128,7 @@ class Config:
 
 
 def check_positive_int(name: str, value: object) -> None:
-    require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, value, "a positive int")
+    require(is_int(value) and value >= 1, name, value, "a positive int")
 
 
 def cdiv(a: int, b: int) -> int:

@@ -111,7 +111,7 @@ def upload(arrays: dict[str, np.ndarray | list], dtype: torch.dtype, device: tor
     memory, as in torch.tensor(list, device="cuda"), the host may wait for the GPU to finish.
     On a CPU there is no copy."""
     flat = torch.from_numpy(np.concatenate([np.ravel(a) for a in arrays.values()])).to(dtype)
-    if torch.device(device).type == "cuda":
+    if device.type == "cuda":
         flat = flat.pin_memory()
     parts = flat.to(device, non_blocking=True).split([np.size(a) for a in arrays.values()])
     return {name: part.view(np.shape(a)) for (name, a), part in zip(arrays.items(), parts)}

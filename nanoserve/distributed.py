@@ -104,8 +104,7 @@ def check_tensor_parallel(size: int, hf_config: PretrainedConfig, device: torch.
         if (value := getattr(hf_config, name)) % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide the model's {name}={value}")
     if size > 1:
-        if dist.is_initialized():
-            gc.collect()  # an LLM dropped without close() leaves the group once it is collected
+        gc.collect()  # an LLM dropped without close() leaves the group once it is collected
         if dist.is_initialized():
             raise ValueError("this process already has a torch.distributed process group (another LLM with "
                              "tensor_parallel_size > 1 still open?): close() that one first")

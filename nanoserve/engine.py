@@ -26,8 +26,7 @@ from nanoserve.model_runner import ModelRunner
 from nanoserve.models.families import check_max_model_len
 from nanoserve.models.loader import read_checkpoint
 from nanoserve.outputs import RequestOutput, StepResult, request_delta, request_output
-from nanoserve.sampler import InvalidRequest, SamplingParams, require
-from nanoserve.sampling_params import uses_processors
+from nanoserve.sampling_params import InvalidRequest, SamplingParams, require, uses_processors
 from nanoserve.scheduler import Scheduler
 from nanoserve.seams import Seams
 from nanoserve.sequence import Sequence

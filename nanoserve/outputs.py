@@ -101,7 +101,7 @@ def request_delta(seq: Sequence, num_tokens_before: int) -> RequestDelta:
     text = None if seq.detokenizer is None else seq.detokenizer.take_delta(seq.is_finished)
     num_output_before = num_tokens_before - seq.num_prompt_tokens
     logprobs = seq.logprobs[num_output_before:] if seq.params.logprobs is not None else None
-    first = num_output_before == 0
-    prompt_logprobs = list(seq.prompt_logprobs) if first and seq.params.prompt_logprobs is not None else None
+    prompt_logprobs = (list(seq.prompt_logprobs) if num_output_before == 0 and seq.params.prompt_logprobs is not None
+                       else None)
     return RequestDelta(seq.request_id, seq.token_ids[num_tokens_before:], text, seq.finish_reason, logprobs,
                         prompt_logprobs)

@@ -21,9 +21,7 @@ from nanoserve.sampling_params import (  # noqa: F401
     MIN_TEMPERATURE,
     InvalidRequest,
     SamplingParams,
-    is_finite_real,
     is_int,
-    require,
 )
 
 

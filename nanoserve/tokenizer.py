@@ -6,7 +6,7 @@ import os
 
 from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
-from nanoserve.sampler import InvalidRequest, is_int
+from nanoserve.sampling_params import InvalidRequest, is_int
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 

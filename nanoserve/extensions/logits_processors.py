@@ -23,8 +23,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from nanoserve.extensions.structured_outputs import apply_grammar_masks
-from nanoserve.sampler import InvalidRequest
-from nanoserve.sampling_params import has_penalties, uses_processors
+from nanoserve.sampling_params import InvalidRequest, has_penalties, uses_processors
 from nanoserve.sequence import Sequence
 
 

@@ -77,7 +77,7 @@ class Workers:
     """Ranks 1..N-1, each a process running `run_worker`, driven by rank 0 over one pipe each."""
 
     def __init__(self, config: Config, max_model_len: int, device: torch.device,
-                 weight_transform: WeightTransform | None = None) -> None:
+                 weight_transform: WeightTransform | None) -> None:
         # The group's meeting point, on a port the system picks: rank 0 serves it, workers connect
         self.store = dist.TCPStore("127.0.0.1", 0, config.tensor_parallel_size, is_master=True,
                                    wait_for_workers=False, timeout=TIMEOUT)
