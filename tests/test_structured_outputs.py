@@ -213,6 +213,8 @@ def test_a_small_grammar_never_waits_behind_a_large_one_and_a_left_compile_is_ca
             release.wait(timeout=30)  # the first large compile holds its thread until the test is done
         return compile_now(grammar)
     monkeypatch.setattr(grammars, "compile_now", planted)
+    for started in grammars.start_workers():  # a worker's start (seconds on a busy machine) is not what this times
+        started.result(timeout=200)
     large = [StructuredOutputsParams(choice=[f"{i}-{'x' * 5000}", "y"]) for i in range(2)]
     running = grammars.submit(large[0], waiting=True)
     queued = grammars.submit(large[1], waiting=True)
@@ -357,3 +359,25 @@ def test_a_mask_or_an_advance_past_step_seconds_is_an_error_naming_structured_ou
             grammar.fill(None, 0)
     else:
         grammar.fill(None, 0)
+
+
+def test_compiles_take_turns_across_clients(austen, monkeypatch):
+    """A client keeping slow schemas queued delays another client's compile by the one running at most.
+    Catches: one first-come-first-served queue (the other client's schema compiles last), or turns that let the
+    client just served go again."""
+    engine = austen.engine
+    grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size, {2})
+    order, release = [], threading.Event()
+
+    def compile_now(spec):
+        release.wait(30)
+        order.append(spec.regex)
+        return spec.key
+
+    monkeypatch.setattr(grammars, "compile_now", compile_now)
+    many = [grammars.submit(StructuredOutputsParams(regex=f"a{{{n}}}"), client="many") for n in range(3)]
+    other = grammars.submit(StructuredOutputsParams(regex="b"), client="other")
+    release.set()
+    for future in [*many, other]:
+        future.result(timeout=30)
+    assert order == ["a{0}", "b", "a{1}", "a{2}"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Collection
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -136,13 +136,22 @@ class RequestGrammar:
         return self.matcher is not None and self.matcher.is_terminated()
 
 
+@dataclass
+class Lane:
+    """One compile thread and the compiles queued for it, per client. The thread takes one compile per turn from
+    each client in turn, so a client with many slow schemas queued delays another's by one compile at most."""
+    pool: ThreadPoolExecutor
+    queues: OrderedDict[str, deque] = field(default_factory=OrderedDict)  # client -> its (spec, future)s, oldest first
+    last: str | None = None  # the client whose compile the thread took last: it goes after any other
+
+
 class GrammarCompiler:
     """An engine's grammars. They are bounded here (grammar_bounds.py), and parsed and compiled in child
     processes (grammar_workers.py) by two background threads. They are cached by spec.
 
     One thread is for small specs (SMALL_SPEC_CHARS), one for the rest. So a 1 ms regex never waits behind
-    a 5,000-string enum. Each thread owns one worker process, started at its first grammar. A plain request
-    never starts one.
+    a 5,000-string enum. Each thread takes its clients' compiles in turns (`Lane`). Each owns one worker
+    process, started at its first grammar. A plain request never starts one.
 
     It is thread-safe. A server's handlers submit grammars too, and wait for the compile before the request
     reaches the engine (`submit(..., waiting=True)`, then `leave`). The engine's add_request then finds it
@@ -155,8 +164,8 @@ class GrammarCompiler:
                  memory_bytes: int = MEMORY_BYTES) -> None:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
         self.max_bytes, self.max_depth, self.memory_bytes = MAX_BYTES, MAX_DEPTH, memory_bytes
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self.small_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-small")
+        self.lane = Lane(ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar"))
+        self.small_lane = Lane(ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-small"))
         self.tokenizer_info: Any = None  # xgrammar's, made at the first compile (reading the vocabulary takes ~0.5 s)
         self.workers: dict[str, GrammarWorker] = {}  # a compile thread's name -> its worker process
         self.started: list[Future] = []  # `start_workers`
@@ -185,8 +194,9 @@ class GrammarCompiler:
                 logging.getLogger(__name__).error(f"grammar of request {seq.request_id!r} failed: {error!r}")
                 fail(seq, error)
 
-    def submit(self, spec: StructuredOutputsParams, waiting: bool = False, checked: bool = False) -> Future:
-        """The compile of spec: cached, else started now. A failed one is tried again.
+    def submit(self, spec: StructuredOutputsParams, waiting: bool = False, checked: bool = False,
+               client: str = "") -> Future:
+        """The compile of spec: cached, else queued now, in `client`'s turn. A failed one is tried again.
 
         A spec past the bounds is an InvalidRequest naming structured_outputs here, unless `checked` by
         `check` before. A spec the worker refuses is the future's exception. With `waiting`, a request waits
@@ -197,13 +207,30 @@ class GrammarCompiler:
         with self.lock:
             future = self.cache.get(key)
             if future is None or failure(future) is not None:
-                lane = self.small_pool if len(key) <= SMALL_SPEC_CHARS else self.pool
-                self.cache[key] = lane.submit(self.compile_now, spec)
+                lane = self.small_lane if len(key) <= SMALL_SPEC_CHARS else self.lane
+                self.cache[key] = Future()
+                lane.queues.setdefault(client, deque()).append((spec, self.cache[key]))
+                lane.pool.submit(self.take_turn, lane)  # one turn per compile queued
             self.cache.move_to_end(key)
             self.evict()  # sizes are known once compiled: each submit evicts for those done since the last
             if waiting:
                 self.waiters[key] += 1
             return self.cache[key]
+
+    def take_turn(self, lane: Lane) -> None:
+        """In a compile thread: the oldest compile of the client whose turn it is; that client then goes last."""
+        with self.lock:
+            client = next((name for name in lane.queues if name != lane.last), next(iter(lane.queues)))
+            queue, lane.last = lane.queues.pop(client), client
+            spec, future = queue.popleft()
+            if queue:
+                lane.queues[client] = queue
+        if not future.set_running_or_notify_cancel():  # cancelled: every waiter left (`leave`)
+            return
+        try:
+            future.set_result(self.compile_now(spec))
+        except Exception as error:
+            future.set_exception(error)
 
     def check(self, spec: StructuredOutputsParams) -> None:
         """Check the spec is within the bounds (grammar_bounds.py), else raise an InvalidRequest.
@@ -265,7 +292,8 @@ class GrammarCompiler:
         for a worker's start, which takes seconds."""
         with self.lock:
             if not self.started:
-                self.started = [pool.submit(lambda: self.worker().start()) for pool in (self.small_pool, self.pool)]
+                lanes = (self.small_lane, self.lane)
+                self.started = [lane.pool.submit(lambda: self.worker().start()) for lane in lanes]
             return self.started
 
     def compile_now(self, spec: StructuredOutputsParams) -> Any:

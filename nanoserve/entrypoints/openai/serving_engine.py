@@ -314,7 +314,7 @@ class Serving:
         except InvalidRequest as error:
             raise APIError(f"{field}: {error}", param=field) from None
         # checked: at once, with no await before `leave`
-        future = self.grammars.submit(spec, True, checked=True)
+        future = self.grammars.submit(spec, True, checked=True, client=client)
         try:
             # a worker's start (seconds, once) is not the grammar's fault: not counted against its budget
             await asyncio.shield(asyncio.gather(*map(asyncio.wrap_future, started), return_exceptions=True))
