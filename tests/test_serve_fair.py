@@ -213,16 +213,59 @@ def test_with_several_api_keys_each_key_is_a_client_and_a_proxy_is_trusted_only_
                     headers={"Authorization": "Bearer k2"}).status_code == 200
         assert post(keyed, "/v1/completions", dict(prompt="Hi", max_tokens=1),
                     headers={"Authorization": "Bearer k3"}).status_code == 401
+        # Two headers: the key check read the last, client_key the first (a new client each request).
+        two = [("Authorization", "Bearer random-1"), ("Authorization", "Bearer k1")]
+        reply = httpx.post(keyed.url + "/v1/completions", json=dict(prompt="Hi", max_tokens=1), headers=two)
+        assert reply.status_code == 400 and "Authorization" in reply.json()["error"]["message"], reply.text
         for server in proxied, direct:
             server.serving.admit(3, "peer:10.0.0.7")
         forwarded = {"X-Forwarded-For": "10.0.0.7"}
         assert post(proxied, "/v1/completions", dict(prompt="Hi", max_tokens=1), headers=forwarded).status_code == 429
         assert post(proxied, "/v1/completions", dict(prompt="Hi", max_tokens=1),
                     headers={"X-Forwarded-For": "10.0.0.8"}).status_code == 200
+        # The proxy appends the address it saw: what comes before it, the client wrote itself.
+        assert post(proxied, "/v1/completions", dict(prompt="Hi", max_tokens=1),
+                    headers={"X-Forwarded-For": "10.0.0.9, 10.0.0.7"}).status_code == 429
         assert post(direct, "/v1/completions", dict(prompt="Hi", max_tokens=1), headers=forwarded).status_code == 200
     finally:
         for server in servers:
             server.stop()
+
+
+def test_a_proxy_trusted_as_any_address_is_refused(capsys):
+    """Catches: --forwarded-allow-ips '*' taken, and uvicorn then believing X-Forwarded-For's first address,
+    which the client writes (12 of 12 requests got past a per-client bound of 8)."""
+    from nanoserve.entrypoints.openai.api_server import build_parser, main
+    for proxies in ("*", "127.0.0.1, *"):
+        with pytest.raises(ValueError, match="forwarded-allow-ips"):
+            ServerThread(object(), forwarded_allow_ips=proxies)
+        with pytest.raises(SystemExit):
+            main(["no-such-model", "--forwarded-allow-ips", proxies, "--port", "0"])
+        assert "forwarded-allow-ips '*'" in capsys.readouterr().err
+    assert build_parser("serve").parse_args(["m", "--forwarded-allow-ips", "10.0.0.0/8"])
+
+
+@pytest.mark.parametrize("peer, forwarded, proxies, client", [
+    ("::ffff:127.0.0.1", b"10.0.0.7", "127.0.0.1", "10.0.0.7"),   # an IPv4 proxy on --host ::
+    ("::ffff:10.0.0.5", None, None, "10.0.0.5"),                   # the same client on either stack
+    ("::ffff:127.0.0.1", b"::ffff:10.0.0.7", "127.0.0.1", "10.0.0.7"),
+    ("::1", b"10.0.0.7", "127.0.0.1", "::1"),                      # not a trusted proxy
+    ("127.0.0.1", b"10.0.0.9, 10.0.0.7, 127.0.0.1", "127.0.0.1", "10.0.0.7"),  # rightmost untrusted
+])
+def test_the_client_address_is_plain_ipv4_and_the_rightmost_untrusted(peer, forwarded, proxies, client):
+    """Catches: an IPv4-mapped peer (::ffff:127.0.0.1 on a dual-stack socket) not matching the trusted
+    proxy 127.0.0.1, so every client behind it counted as one; the first forwarded address believed."""
+    import asyncio
+
+    from nanoserve.entrypoints.openai.api_server import ClientAddress
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope["client"][0])
+    headers = [(b"x-forwarded-for", forwarded)] if forwarded else []
+    scope = dict(type="http", client=(peer, 5000), headers=headers, path="/")
+    asyncio.run(ClientAddress(app, proxies)(scope, None, None))
+    assert seen == [client]
 
 
 def test_api_keys_come_from_the_command_line_and_a_file(tmp_path):
