@@ -196,6 +196,30 @@ def test_a_client_is_its_address_whatever_user_and_bearer_it_sends(model_path): 
         server.stop()
 
 
+def test_one_request_of_n_takes_at_most_its_clients_seats_however_often_it_ends(model_path):  # noqa: F811
+    """A client's n=8 stream gets 7 of the engine's 8 seats (its share), the 8th waiting its turn. After the
+    client leaves (its requests aborted), the same again: the client holds nothing.
+    Catches: the engine stream opened without its client (one n=8 request took all 8 seats), and an ended
+    request left in the per-client count (aborted twice over: the count went negative, past the share)."""
+    server = start_server(model_path, max_num_seqs=8)
+    loop, engine = server.serving.async_llm.engine_loop, server.serving.async_llm.engine
+    gate, step = threading.Event(), engine.step
+    engine.step = lambda: gate.wait() and step()  # the test says when the engine steps: no race with its pace
+    body = dict(prompt="It is a truth", n=8, max_tokens=100, ignore_eos=True, stream=True)
+    try:
+        for _ in range(2):
+            gate.clear()
+            with open_unread_stream(server, body):  # its first chunk waits for a step: no reply to wait for
+                assert wait_until(lambda: len(engine.requests) == 7 and len(loop.pending) == 1)
+            assert wait_until(lambda: loop.inbox.qsize() == 8)  # the client left: its 8 requests' aborts
+            gate.set()
+            assert wait_until(lambda: not engine.requests and not loop.pending)
+            assert wait_until(lambda: not loop.num_in_engine and not server.serving.in_flight_by_client)
+    finally:
+        gate.set()
+        server.stop()
+
+
 def test_with_several_api_keys_each_key_is_a_client_and_a_proxy_is_trusted_only_when_named(model_path):  # noqa: F811
     """Catches: several keys not taken (--api-key given twice, or a file of them), clients of different keys
     sharing one share, X-Forwarded-For believed from any local client (uvicorn's default trusts 127.0.0.1),
