@@ -275,6 +275,8 @@ def build_parser(prog: str) -> OneLineParser:
     parser.add_argument("--write-timeout", type=positive(float), default=Limits.write_timeout,
                         help="seconds a stream waits for its client to read before closing the connection")
     parser.add_argument("--max-request-body-bytes", type=positive(int), default=Limits.max_body_bytes)
+    parser.add_argument("--body-timeout", type=positive(float), default=Limits.body_timeout,
+                        help="seconds a request's body may take to arrive; past it, 408")
     parser.add_argument("--header-timeout", type=positive(float), default=HEADER_TIMEOUT,
                         help="seconds a connection may take to send a request's head")
     parser.add_argument("--max-grammar-bytes", type=positive(int), default=Limits.max_grammar_bytes,
@@ -354,6 +356,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.serve")
     limits = Limits(max_body_bytes=args.max_request_body_bytes, max_num_queued_requests=args.max_num_queued_requests,
                     max_num_queued_requests_per_client=args.max_num_queued_requests_per_client,
                     max_completions_per_request=args.max_completions_per_request, write_timeout=args.write_timeout,
+                    body_timeout=args.body_timeout,
                     max_grammar_bytes=args.max_grammar_bytes, max_grammar_depth=args.max_grammar_depth,
                     max_grammar_compile_seconds=args.max_grammar_compile_seconds)
     name = args.served_model_name or args.model
