@@ -220,6 +220,41 @@ def test_one_request_of_n_takes_at_most_its_clients_seats_however_often_it_ends(
         server.stop()
 
 
+@pytest.mark.skipif(not can_bind("127.0.0.3"), reason="this OS binds only 127.0.0.1: no second client address")
+def test_a_lone_clients_request_goes_before_another_clients_preempted_ones(model_path):  # noqa: F811
+    """One client's three long requests outgrow the KV cache: one is preempted, and goes back to the front of
+    the engine's queue. A lone client's request, arriving then, goes before it: its one token comes while all
+    three still run. Catches: the lone request queued behind the preempted one, so behind the blocks the
+    others hold (it waited 102.6 s on SmolLM2 beside four 1,000-token requests; 0.07 s alone)."""
+    server = start_server(model_path)
+    engine = server.serving.async_llm.engine
+    loop, gate, paused, step = server.serving.async_llm.engine_loop, threading.Event(), threading.Event(), engine.step
+
+    def gated_step():  # the first step that preempts returns when the test says: the lone request waits then
+        result = step()
+        if engine.scheduler.num_preemptions and not paused.is_set():
+            paused.set()
+            gate.wait()
+        return result
+    engine.step, hog = gated_step, None
+    try:
+        hog = open_unread_stream(server, dict(prompt="It is a truth", n=3, max_tokens=120, ignore_eos=True,
+                                              stream=True))
+        assert wait_until(paused.is_set)  # a step preempted: the waiting queue's front is the hog's
+        assert len(engine.requests) == 3 and len(engine.scheduler.waiting) > 0
+        with client_at("127.0.0.3") as lone:
+            threading.Thread(target=lambda: wait_until(lambda: loop.inbox.qsize() > 0) and gate.set()).start()
+            reply = lone.post(server.url + "/v1/completions", json=dict(prompt="Emma", max_tokens=1))
+            assert reply.status_code == 200, reply.text
+            assert len(engine.requests) == 3, "none of the hog's requests finished before the lone one"
+    finally:
+        gate.set()
+        engine.step = step
+        if hog is not None:
+            hog.close()
+        server.stop()
+
+
 def test_with_several_api_keys_each_key_is_a_client_and_a_proxy_is_trusted_only_when_named(model_path):  # noqa: F811
     """Catches: several keys not taken (--api-key given twice, or a file of them), clients of different keys
     sharing one share, X-Forwarded-For believed from any local client (uvicorn's default trusts 127.0.0.1),
