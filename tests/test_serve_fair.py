@@ -127,6 +127,22 @@ def test_a_client_that_does_not_read_holds_no_slots_once_the_engine_is_done(mode
         server.stop()
 
 
+def test_a_whole_reply_that_is_not_read_is_closed_after_the_write_timeout(model_path, caplog):  # noqa: F811
+    """Catches: --write-timeout applied to streams only (seven unread n=128 whole replies held 427 MB past
+    three timeouts)."""
+    server = start_server(model_path, limits=Limits(write_timeout=0.5))
+    try:
+        with caplog.at_level(logging.WARNING), open_unread_stream(server, {**BIG_STREAM, "stream": False}) as unread:
+            assert wait_until(lambda: "whose client took nothing for 0.5 s" in caplog.text)
+            received = b""
+            while chunk := unread.recv(65536):  # what the buffers held, then the end: the server closed it
+                received += chunk
+        assert received.startswith(b"HTTP/1.1 200") and not received.endswith(b"}")
+        assert wait_until(lambda: server.serving.num_in_flight == 0)
+    finally:
+        server.stop()
+
+
 def test_each_client_holds_at_most_its_share_of_the_in_flight_slots(model_path):  # noqa: F811
     """Catches: one bound for all clients (one client's 1,024 in flight gave everyone else 429 for 18 s), the
     client taken from what the request says of itself (its user, an unchecked Bearer value), slots not given

@@ -273,7 +273,8 @@ def build_parser(prog: str) -> OneLineParser:
                         default=Limits.max_completions_per_request,
                         help="completions (prompts x n) one request may ask for; more get 400")
     parser.add_argument("--write-timeout", type=positive(float), default=Limits.write_timeout,
-                        help="seconds a stream waits for its client to read before closing the connection")
+                        help="seconds a response, streamed or whole, waits for its client to read before "
+                             "closing the connection")
     parser.add_argument("--max-request-body-bytes", type=positive(int), default=Limits.max_body_bytes)
     parser.add_argument("--body-timeout", type=positive(float), default=Limits.body_timeout,
                         help="seconds a request's body may take to arrive; past it, 408")
