@@ -260,3 +260,12 @@ def test_a_body_that_stops_short_is_a_408_and_a_client_that_leaves_mid_body_one_
     finally:
         server.serving.limits = limits
         uvicorn_log.removeHandler(caplog.handler)
+
+
+def test_a_context_error_names_the_field_the_client_sent(server):
+    """Catches: a chat request's max_completion_tokens past the context answered as max_tokens's error."""
+    messages = [{"role": "user", "content": "Hi"}]
+    for field in "max_completion_tokens", "max_tokens":
+        reply = post(server, "/v1/chat/completions", {"messages": messages, field: 10**6}, headers=AUTH)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text
+        assert f"{field}=1000000" in reply.json()["error"]["message"], reply.text

@@ -123,7 +123,11 @@ async def generate_response(serving: Serving, request: Request, api: API, body: 
         prompts = await serving.in_tokenizer_thread(prepare, client)
         if params.structured_outputs is not None:  # compiled before the engine sees it: a bad one is a 400
             await serving.compile_grammar(params.structured_outputs, grammar_field(body), client)
-        fitted = [serving.fit_to_context(params, max_tokens, len(p.token_ids), api.prompt_field) for p in prompts]
+        # the field the client sent: a chat body's max_completion_tokens, else max_tokens
+        tokens_field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None \
+            else "max_tokens"
+        fitted = [serving.fit_to_context(params, max_tokens, len(p.token_ids), api.prompt_field, tokens_field)
+                  for p in prompts]
         await generation.submit([(p.token_ids, f) for p, f in zip(prompts, fitted)], arrival_time)
         formatter = api(body, prompts, params.n, serving.token_strings)
         head = dict(id=f"{api.id_prefix}-{generation.id}", object=api.chunk_object if body.stream else api.object,
