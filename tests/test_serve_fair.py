@@ -127,6 +127,22 @@ def test_a_client_that_does_not_read_holds_no_slots_once_the_engine_is_done(mode
         server.stop()
 
 
+def test_a_whole_reply_that_is_not_read_is_closed_after_the_write_timeout(model_path, caplog):  # noqa: F811
+    """Catches: --write-timeout applied to streams only (seven unread n=128 whole replies held 427 MB past
+    three timeouts)."""
+    server = start_server(model_path, limits=Limits(write_timeout=0.5))
+    try:
+        with caplog.at_level(logging.WARNING), open_unread_stream(server, {**BIG_STREAM, "stream": False}) as unread:
+            assert wait_until(lambda: "whose client took nothing for 0.5 s" in caplog.text)
+            received = b""
+            while chunk := unread.recv(65536):  # what the buffers held, then the end: the server closed it
+                received += chunk
+        assert received.startswith(b"HTTP/1.1 200") and not received.endswith(b"}")
+        assert wait_until(lambda: server.serving.num_in_flight == 0)
+    finally:
+        server.stop()
+
+
 def test_each_client_holds_at_most_its_share_of_the_in_flight_slots(model_path):  # noqa: F811
     """Catches: one bound for all clients (one client's 1,024 in flight gave everyone else 429 for 18 s), the
     client taken from what the request says of itself (its user, an unchecked Bearer value), slots not given
@@ -196,6 +212,65 @@ def test_a_client_is_its_address_whatever_user_and_bearer_it_sends(model_path): 
         server.stop()
 
 
+def test_one_request_of_n_takes_at_most_its_clients_seats_however_often_it_ends(model_path):  # noqa: F811
+    """A client's n=8 stream gets 7 of the engine's 8 seats (its share), the 8th waiting its turn. After the
+    client leaves (its requests aborted), the same again: the client holds nothing.
+    Catches: the engine stream opened without its client (one n=8 request took all 8 seats), and an ended
+    request left in the per-client count (aborted twice over: the count went negative, past the share)."""
+    server = start_server(model_path, max_num_seqs=8)
+    loop, engine = server.serving.async_llm.engine_loop, server.serving.async_llm.engine
+    gate, step = threading.Event(), engine.step
+    engine.step = lambda: gate.wait() and step()  # the test says when the engine steps: no race with its pace
+    body = dict(prompt="It is a truth", n=8, max_tokens=100, ignore_eos=True, stream=True)
+    try:
+        for _ in range(2):
+            gate.clear()
+            with open_unread_stream(server, body):  # its first chunk waits for a step: no reply to wait for
+                assert wait_until(lambda: len(engine.requests) == 7 and len(loop.pending) == 1)
+            assert wait_until(lambda: loop.inbox.qsize() == 8)  # the client left: its 8 requests' aborts
+            gate.set()
+            assert wait_until(lambda: not engine.requests and not loop.pending)
+            assert wait_until(lambda: not loop.num_in_engine and not server.serving.in_flight_by_client)
+    finally:
+        gate.set()
+        server.stop()
+
+
+@pytest.mark.skipif(not can_bind("127.0.0.3"), reason="this OS binds only 127.0.0.1: no second client address")
+def test_a_lone_clients_request_goes_before_another_clients_preempted_ones(model_path):  # noqa: F811
+    """One client's three long requests outgrow the KV cache: one is preempted, and goes back to the front of
+    the engine's queue. A lone client's request, arriving then, goes before it: its one token comes while all
+    three still run. Catches: the lone request queued behind the preempted one, so behind the blocks the
+    others hold (it waited 102.6 s on SmolLM2 beside four 1,000-token requests; 0.07 s alone)."""
+    server = start_server(model_path)
+    engine = server.serving.async_llm.engine
+    loop, gate, paused, step = server.serving.async_llm.engine_loop, threading.Event(), threading.Event(), engine.step
+
+    def gated_step():  # the first step that preempts returns when the test says: the lone request waits then
+        result = step()
+        if engine.scheduler.num_preemptions and not paused.is_set():
+            paused.set()
+            gate.wait()
+        return result
+    engine.step, hog = gated_step, None
+    try:
+        hog = open_unread_stream(server, dict(prompt="It is a truth", n=3, max_tokens=120, ignore_eos=True,
+                                              stream=True))
+        assert wait_until(paused.is_set)  # a step preempted: the waiting queue's front is the hog's
+        assert len(engine.requests) == 3 and len(engine.scheduler.waiting) > 0
+        with client_at("127.0.0.3") as lone:
+            threading.Thread(target=lambda: wait_until(lambda: loop.inbox.qsize() > 0) and gate.set()).start()
+            reply = lone.post(server.url + "/v1/completions", json=dict(prompt="Emma", max_tokens=1))
+            assert reply.status_code == 200, reply.text
+            assert len(engine.requests) == 3, "none of the hog's requests finished before the lone one"
+    finally:
+        gate.set()
+        engine.step = step
+        if hog is not None:
+            hog.close()
+        server.stop()
+
+
 def test_with_several_api_keys_each_key_is_a_client_and_a_proxy_is_trusted_only_when_named(model_path):  # noqa: F811
     """Catches: several keys not taken (--api-key given twice, or a file of them), clients of different keys
     sharing one share, X-Forwarded-For believed from any local client (uvicorn's default trusts 127.0.0.1),
@@ -213,16 +288,59 @@ def test_with_several_api_keys_each_key_is_a_client_and_a_proxy_is_trusted_only_
                     headers={"Authorization": "Bearer k2"}).status_code == 200
         assert post(keyed, "/v1/completions", dict(prompt="Hi", max_tokens=1),
                     headers={"Authorization": "Bearer k3"}).status_code == 401
+        # Two headers: the key check read the last, client_key the first (a new client each request).
+        two = [("Authorization", "Bearer random-1"), ("Authorization", "Bearer k1")]
+        reply = httpx.post(keyed.url + "/v1/completions", json=dict(prompt="Hi", max_tokens=1), headers=two)
+        assert reply.status_code == 400 and "Authorization" in reply.json()["error"]["message"], reply.text
         for server in proxied, direct:
             server.serving.admit(3, "peer:10.0.0.7")
         forwarded = {"X-Forwarded-For": "10.0.0.7"}
         assert post(proxied, "/v1/completions", dict(prompt="Hi", max_tokens=1), headers=forwarded).status_code == 429
         assert post(proxied, "/v1/completions", dict(prompt="Hi", max_tokens=1),
                     headers={"X-Forwarded-For": "10.0.0.8"}).status_code == 200
+        # The proxy appends the address it saw: what comes before it, the client wrote itself.
+        assert post(proxied, "/v1/completions", dict(prompt="Hi", max_tokens=1),
+                    headers={"X-Forwarded-For": "10.0.0.9, 10.0.0.7"}).status_code == 429
         assert post(direct, "/v1/completions", dict(prompt="Hi", max_tokens=1), headers=forwarded).status_code == 200
     finally:
         for server in servers:
             server.stop()
+
+
+def test_a_proxy_trusted_as_any_address_is_refused(capsys):
+    """Catches: --forwarded-allow-ips '*' taken, and uvicorn then believing X-Forwarded-For's first address,
+    which the client writes (12 of 12 requests got past a per-client bound of 8)."""
+    from nanoserve.entrypoints.openai.api_server import build_parser, main
+    for proxies in ("*", "127.0.0.1, *"):
+        with pytest.raises(ValueError, match="forwarded-allow-ips"):
+            ServerThread(object(), forwarded_allow_ips=proxies)
+        with pytest.raises(SystemExit):
+            main(["no-such-model", "--forwarded-allow-ips", proxies, "--port", "0"])
+        assert "forwarded-allow-ips '*'" in capsys.readouterr().err
+    assert build_parser("serve").parse_args(["m", "--forwarded-allow-ips", "10.0.0.0/8"])
+
+
+@pytest.mark.parametrize("peer, forwarded, proxies, client", [
+    ("::ffff:127.0.0.1", b"10.0.0.7", "127.0.0.1", "10.0.0.7"),   # an IPv4 proxy on --host ::
+    ("::ffff:10.0.0.5", None, None, "10.0.0.5"),                   # the same client on either stack
+    ("::ffff:127.0.0.1", b"::ffff:10.0.0.7", "127.0.0.1", "10.0.0.7"),
+    ("::1", b"10.0.0.7", "127.0.0.1", "::1"),                      # not a trusted proxy
+    ("127.0.0.1", b"10.0.0.9, 10.0.0.7, 127.0.0.1", "127.0.0.1", "10.0.0.7"),  # rightmost untrusted
+])
+def test_the_client_address_is_plain_ipv4_and_the_rightmost_untrusted(peer, forwarded, proxies, client):
+    """Catches: an IPv4-mapped peer (::ffff:127.0.0.1 on a dual-stack socket) not matching the trusted
+    proxy 127.0.0.1, so every client behind it counted as one; the first forwarded address believed."""
+    import asyncio
+
+    from nanoserve.entrypoints.openai.api_server import ClientAddress
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope["client"][0])
+    headers = [(b"x-forwarded-for", forwarded)] if forwarded else []
+    scope = dict(type="http", client=(peer, 5000), headers=headers, path="/")
+    asyncio.run(ClientAddress(app, proxies)(scope, None, None))
+    assert seen == [client]
 
 
 def test_api_keys_come_from_the_command_line_and_a_file(tmp_path):

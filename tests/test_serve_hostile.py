@@ -9,6 +9,7 @@ pytest.importorskip("fastapi")
 import asyncio
 import gc
 import json
+import logging
 import socket
 import statistics
 import threading
@@ -225,3 +226,46 @@ def test_a_whole_response_yields_to_the_event_loop_between_choices(server, monke
     assert reply.status_code == 200 and [c["index"] for c in reply.json()["choices"]] == list(range(6))
     assert reply.json()["usage"]["completion_tokens"] == 24
     assert len(seen) == 6 and seen[-1], seen
+
+
+# --- Bodies that do not arrive -------------------------------------------------------------------
+
+def send_part_of_a_body(server) -> socket.socket:
+    """A request whose head promises 100 bytes of body, of which 10 come."""
+    host, port = server.server.servers[0].sockets[0].getsockname()[:2]
+    sock = socket.create_connection((host, port))
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n".encode()
+                 + b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n" + b'{"prompt":')
+    return sock
+
+
+def test_a_body_that_stops_short_is_a_408_and_a_client_that_leaves_mid_body_one_log_line(server, caplog):
+    """Catches: no deadline on a request's body (40 connections one byte short of 8 MiB held 315 MB for
+    60 s and more), and a client that left mid-body logging the ASGI stack's 56-line traceback."""
+    from dataclasses import replace
+    limits, uvicorn_log = server.serving.limits, logging.getLogger("uvicorn.error")
+    server.serving.limits = replace(limits, body_timeout=0.5)
+    uvicorn_log.addHandler(caplog.handler)  # uvicorn's loggers do not propagate to the root
+    try:
+        with caplog.at_level(logging.INFO), send_part_of_a_body(server) as sock:
+            sock.settimeout(60)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 408"), "the server answered when the deadline passed"
+        with caplog.at_level(logging.INFO):
+            send_part_of_a_body(server).close()
+            deadline = time.monotonic() + 60
+            while "left while sending" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert "left while sending" in caplog.text and "Traceback" not in caplog.text, caplog.text
+        assert not [record for record in caplog.records if record.exc_info], caplog.text
+    finally:
+        server.serving.limits = limits
+        uvicorn_log.removeHandler(caplog.handler)
+
+
+def test_a_context_error_names_the_field_the_client_sent(server):
+    """Catches: a chat request's max_completion_tokens past the context answered as max_tokens's error."""
+    messages = [{"role": "user", "content": "Hi"}]
+    for field in "max_completion_tokens", "max_tokens":
+        reply = post(server, "/v1/chat/completions", {"messages": messages, field: 10**6}, headers=AUTH)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text
+        assert f"{field}=1000000" in reply.json()["error"]["message"], reply.text

@@ -83,6 +83,8 @@ def test_function_call_and_the_loop_back(client):  # noqa: F811
 @pytest.mark.parametrize("changes, field", [
     (dict(previous_response_id="resp_1"), "previous_response_id"),
     (dict(store=True), "store"),
+    (dict(background=True), "background"),       # was ignored: answered in the foreground
+    (dict(max_tool_calls=1), "max_tool_calls"),  # was ignored: any number of calls
     (dict(input=[{"type": "reasoning", "summary": []}]), "input"),
     (dict(input=[{"role": "robot", "content": "hi"}]), "input"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input"),

@@ -68,13 +68,13 @@ def chunkings(pieces: list[str]) -> dict[str, list[str]]:
     return cuts
 
 
-def stream(parser, deltas: list[str], max_calls=None) -> tuple[str, list[tuple[str, str]]]:
+def stream(parser, deltas: list[str], max_calls=None, cut_short=True) -> tuple[str, list[tuple[str, str]]]:
     """What a client puts together from the stream: the content, and each call's (name, arguments). Each
     call must come with its id and name once, first, then only argument pieces."""
     reader = ToolCallStream(parser, max_calls)
     content, calls = "", {}
     for i, delta in enumerate(deltas):
-        new_content, tool_calls = reader.feed(delta, final=i == len(deltas) - 1)
+        new_content, tool_calls = reader.feed(delta, final=i == len(deltas) - 1, cut_short=cut_short)
         content += new_content
         for call in tool_calls:
             if call["index"] not in calls:
@@ -131,6 +131,23 @@ def test_hermes_cut_short():
     assert whole(HermesReader, CUT_SHORT[3]) == ("Done. <tool_ca", [])
     assert parse(HermesReader, CUT_SHORT[0]).calls[0].complete is False
     assert parse(HermesReader, WELL_FORMED[0]).calls[1].complete is True
+
+
+@pytest.mark.parametrize("text, cut_short", [
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Bath"}, "name": "delete_file"}</tool_call>', True),
+    ('<tool_call>{"name": "get_weather", "name": "delete_file", "arguments": {}}</tool_call>', True),
+    ('<tool_call>{"name": "f", "arguments": {"a": 1}, "arguments": {"a": 2}}</tool_call>', True),
+    (CUT_SHORT[4], True),    # the block ends with its braces open
+    (CUT_SHORT[0], False),   # the model ended the output itself (finish_reason "stop") inside the call
+])
+def test_a_hermes_call_that_is_not_sure_is_text_streamed_or_whole(tokenizer, text, cut_short):
+    """Catches: a call object with two "name" members streamed as the first and answered whole as the last
+    (get_weather, then delete_file); a call whose JSON never closes answered as a call with broken arguments
+    and finish_reason "stop". Each is the model's text, streamed or whole."""
+    parsed = parse(HermesReader, text, cut_short=cut_short)
+    assert (parsed.content, parsed.calls) == (text, [])
+    for name, deltas in chunkings(token_pieces(tokenizer, text)).items():
+        assert stream(HermesReader, deltas, cut_short=cut_short) == (text, []), name
 
 
 def test_forced_and_llama3_outputs_stream_as_they_parse(tokenizer):

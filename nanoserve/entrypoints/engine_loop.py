@@ -192,7 +192,12 @@ class EngineLoop:
                 room -= 1
 
     def add(self, submit: Submit) -> bool:
-        """engine.add_request; False if it refused the request (which then has its Failed)."""
+        """engine.add_request; False if it refused the request (which then has its Failed).
+
+        The first request of a client that holds nothing in the engine goes to the front of its waiting
+        queue. Else it waits behind the requests that another client's long prompts had preempted (they go
+        back to the front), and they wait for blocks: a lone client waited 102.6 s for its first token
+        beside one client's four 1,000-token requests (0.07 s alone)."""
         request_id = submit.request_id
         try:
             self.engine.add_request(submit.token_ids, submit.params, request_id, arrival_time=submit.arrival_time)
@@ -206,6 +211,8 @@ class EngineLoop:
             return False
         self.replies[request_id] = submit.replies
         if submit.client is not None:
+            if self.num_in_engine[submit.client] == 0:  # a client that holds nothing goes first (see below)
+                self.engine.scheduler.waiting.move_to_end(self.engine.requests[request_id], last=False)
             self.client_of[request_id] = submit.client
             self.num_in_engine[submit.client] += 1
         self.stat_logger.record_added(request_id, len(submit.token_ids), submit.arrival_time)

@@ -32,6 +32,7 @@ import contextlib
 import functools
 import gc
 import hmac
+import ipaddress
 import logging
 import socket
 import threading
@@ -43,6 +44,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoserve import LLMEngine
@@ -79,14 +81,20 @@ class RequireAPIKey:
         self.app, self.keys = app, [key.encode() for key in api_keys]
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health" and not self.authorized(scope["headers"]):
-            error = APIError("missing or wrong API key (Authorization: Bearer ...)", status=401, code="invalid_api_key")
-            await error.response()(scope, receive, send)
-            return
+        if scope["type"] == "http" and scope["path"] != "/health":
+            values = [value for name, value in scope["headers"] if name == b"authorization"]
+            # Two headers: this check would read one, and client_key the other (a new client each time).
+            error = (APIError("more than one Authorization header", status=400) if len(values) > 1 else
+                     None if self.authorized(values[0] if values else b"") else
+                     APIError("missing or wrong API key (Authorization: Bearer ...)", status=401,
+                              code="invalid_api_key"))
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
-    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        scheme, _, key = dict(headers).get(b"authorization", b"").partition(b" ")
+    def authorized(self, value: bytes) -> bool:
+        scheme, _, key = value.partition(b" ")
         matches = [hmac.compare_digest(key.strip(), known) for known in self.keys]  # each compared: constant time
         return scheme.lower() == b"bearer" and any(matches)
 
@@ -124,6 +132,31 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | list[str
 
 
 # --- Running it ----------------------------------------------------------------------------------
+
+class ClientAddress:
+    """ASGI middleware: the request's client address as client_key takes it.
+
+    An IPv4 peer of a dual-stack socket (--host ::) arrives as ::ffff:a.b.c.d. It becomes a.b.c.d, so
+    that --forwarded-allow-ips 127.0.0.1 matches it. Then, from a trusted proxy, uvicorn's middleware
+    takes X-Forwarded-For's rightmost address that is not a trusted proxy."""
+
+    def __init__(self, app: Callable, forwarded_allow_ips: str | None) -> None:
+        self.app = app  # the FastAPI app itself: ServerThread.serving reads its state
+        inner = functools.partial(self.plain_client, app)
+        self.forwarded = inner if forwarded_allow_ips is None else ProxyHeadersMiddleware(inner, forwarded_allow_ips)
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        await self.plain_client(self.forwarded, scope, receive, send)
+
+    @staticmethod
+    async def plain_client(app: Callable, scope: dict, receive: Callable, send: Callable) -> None:
+        client = scope.get("client")
+        if client and client[0].lower().startswith("::ffff:"):
+            with contextlib.suppress(ValueError):
+                mapped = ipaddress.IPv6Address(client[0]).ipv4_mapped
+                scope["client"] = (str(mapped), client[1]) if mapped else client
+        await app(scope, receive, send)
+
 
 class HTTPProtocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline for each request's head, and TCP_NODELAY on every connection.
@@ -167,13 +200,20 @@ def set_nodelay(transport: asyncio.Transport) -> None:
 
 def uvicorn_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, header_timeout: float = HEADER_TIMEOUT,
                    log_level: str = "warning", forwarded_allow_ips: str | None = None) -> uvicorn.Server:
-    """`forwarded_allow_ips`: the proxies whose X-Forwarded-For names the client (uvicorn's option, "*": any).
+    """`forwarded_allow_ips`: the proxies whose X-Forwarded-For names the client (uvicorn's option).
 
-    None trusts none. By default uvicorn trusts 127.0.0.1, so any local client could name itself anyone."""
+    None trusts none. By default uvicorn trusts 127.0.0.1, so any local client could name itself anyone.
+    "*" is refused: uvicorn then takes the header's first address, which the client writes itself."""
+    check_proxies(forwarded_allow_ips)
     http = functools.partial(HTTPProtocol, header_timeout=header_timeout)
-    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, http=http, log_level=log_level,
-                                         proxy_headers=forwarded_allow_ips is not None,
-                                         forwarded_allow_ips=forwarded_allow_ips))
+    return uvicorn.Server(uvicorn.Config(ClientAddress(app, forwarded_allow_ips), host=host, port=port, http=http,
+                                         log_level=log_level, proxy_headers=False))
+
+
+def check_proxies(forwarded_allow_ips: str | None) -> None:
+    if forwarded_allow_ips is not None and "*" in [ip.strip() for ip in forwarded_allow_ips.split(",")]:
+        raise ValueError("--forwarded-allow-ips '*' would believe the address a client writes in X-Forwarded-For; "
+                         "name the proxies' addresses or networks instead")
 
 
 class ServerThread:
@@ -202,7 +242,7 @@ class ServerThread:
 
     @property
     def serving(self) -> Serving:
-        return self.server.config.app.state.serving
+        return self.server.config.app.app.state.serving
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -228,8 +268,8 @@ def build_parser(prog: str) -> OneLineParser:
     parser.add_argument("--api-key-file", default=None,
                         help="a file of keys, one per line, taken as --api-key each")
     parser.add_argument("--forwarded-allow-ips", default=None,
-                        help="the proxies (comma-separated addresses, or *) whose X-Forwarded-For names the client; "
-                             "default: none, the client is the connection's peer")
+                        help="the proxies (addresses or networks, comma-separated) whose X-Forwarded-For names "
+                             "the client; default: none, the client is the connection's peer")
     parser.add_argument("--served-model-name", default=None, help="default: the model path")
     parser.add_argument("--max-num-queued-requests", type=positive(int), default=None,
                         help="completions (prompts x n) in flight at once, counted from arrival until the engine "
@@ -242,8 +282,11 @@ def build_parser(prog: str) -> OneLineParser:
                         default=Limits.max_completions_per_request,
                         help="completions (prompts x n) one request may ask for; more get 400")
     parser.add_argument("--write-timeout", type=positive(float), default=Limits.write_timeout,
-                        help="seconds a stream waits for its client to read before closing the connection")
+                        help="seconds a response, streamed or whole, waits for its client to read before "
+                             "closing the connection")
     parser.add_argument("--max-request-body-bytes", type=positive(int), default=Limits.max_body_bytes)
+    parser.add_argument("--body-timeout", type=positive(float), default=Limits.body_timeout,
+                        help="seconds a request's body may take to arrive; past it, 408")
     parser.add_argument("--header-timeout", type=positive(float), default=HEADER_TIMEOUT,
                         help="seconds a connection may take to send a request's head")
     parser.add_argument("--max-grammar-bytes", type=positive(int), default=Limits.max_grammar_bytes,
@@ -312,6 +355,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.serve")
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:  # everything that can be checked before the model loads, so that a mistake costs no wait
+        check_proxies(args.forwarded_allow_ips)
         config = engine_config(args)
         chat_template, tool_call_parser = read_chat_template(args.chat_template), auto_tool_parser(args)
         api_keys = read_api_keys(args.api_key, args.api_key_file)
@@ -322,6 +366,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m nanoserve.serve")
     limits = Limits(max_body_bytes=args.max_request_body_bytes, max_num_queued_requests=args.max_num_queued_requests,
                     max_num_queued_requests_per_client=args.max_num_queued_requests_per_client,
                     max_completions_per_request=args.max_completions_per_request, write_timeout=args.write_timeout,
+                    body_timeout=args.body_timeout,
                     max_grammar_bytes=args.max_grammar_bytes, max_grammar_depth=args.max_grammar_depth,
                     max_grammar_compile_seconds=args.max_grammar_compile_seconds)
     name = args.served_model_name or args.model

@@ -10,6 +10,7 @@ error body, naming the field at fault.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Literal, TypeVar
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
 
 from nanoserve.entrypoints.engine_loop import EngineDeadError, EngineGenerateError
 from nanoserve.sampler import MAX_LOGPROBS
@@ -49,6 +51,9 @@ class Limits:
     # Seconds a stream may wait for its client to take a chunk (the socket's buffers full). Then its
     # connection is closed. So a client that stops reading holds no more than this.
     write_timeout: float = 30.0
+    # Seconds a request's body may take to arrive, from its head on. A client that stops sending holds
+    # its connection, and the bytes it sent, no longer than this (408).
+    body_timeout: float = 30.0
     # Structured outputs (response_format, structured_outputs), checked before xgrammar sees them.
     # Bytes of the schema, regex, grammar or choices. Nesting of the schema, and of brackets in patterns,
     # regexes and grammars. Seconds a request waits for its grammar's compile (past it, a 400).
@@ -277,6 +282,8 @@ class ResponsesBody(Strict):
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None  # refused: this server keeps no responses
     store: bool | None = None                # true refused, for the same reason
+    background: bool | None = None           # true refused: every response is answered while the client waits
+    max_tool_calls: int | None = None        # refused: a tool call is the model's to make or not (tool_choice)
 
 
 BODIES = (CompletionBody, ChatBody, Message, ContentPart, StreamOptions, TokenizeBody, DetokenizeBody, ResponseFormat,
@@ -293,23 +300,32 @@ UNSUPPORTED = {
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
-async def read_json(request: Request, limit: int, max_values: int) -> dict:
+async def read_json(request: Request, limits: Limits, max_values: int) -> dict:
     """The body as a JSON object.
 
-    A 413 past `limit` bytes (read no further) or past `max_values` commas. A 400 if it is no JSON object.
-    json.loads holds the GIL while it builds the body's objects. That took ~0.1 s for 200,000 small lists,
-    and every stream and /health waited. The commas are an upper bound on the values. Counting them first
-    costs ~1 ms per MiB."""
+    A 413 past limits.max_body_bytes (read no further) or past `max_values` commas. A 408 past
+    limits.body_timeout. A 400 if it is no JSON object. json.loads holds the GIL while it builds the
+    body's objects. That took ~0.1 s for 200,000 small lists, and every stream and /health waited. The
+    commas are an upper bound on the values. Counting them first costs ~1 ms per MiB."""
+    limit = limits.max_body_bytes
     too_large = APIError(f"the request body is larger than {limit} bytes, this server's limit", status=413)
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(limits.body_timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(f"the request body took over {limits.body_timeout} s to arrive, this server's limit "
+                       f"(--body-timeout)", status=408) from None
+    except ClientDisconnect:  # one line, not the ASGI stack's traceback: a client may leave whenever it likes
+        logger.info("a client left while sending its request body (%d bytes)", size)
+        raise APIError("the client left while sending its request body") from None
     raw = b"".join(chunks)
     if raw.count(b",") > max_values:
         raise APIError(f"the request body has more than {max_values} values (commas), more than one request can "

@@ -30,7 +30,7 @@ from nanoserve.entrypoints.openai.serving_responses import create_response
 async def tokenize_text(request: Request) -> Response:
     """vLLM's /tokenize: {count, max_model_len, tokens, token_strs if return_token_strs}."""
     serving: Serving = request.app.state.serving
-    body = parse(TokenizeBody, await read_json(request, serving.limits.max_body_bytes, serving.max_body_values))
+    body = parse(TokenizeBody, await read_json(request, serving.limits, serving.max_body_values))
     serving.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError("give either prompt or messages", param="prompt")
@@ -59,7 +59,7 @@ async def detokenize_tokens(request: Request) -> Response:
     checked: validating 1.6 million ids alone held the event loop for a second."""
     serving: Serving = request.app.state.serving
     limit = max(serving.limits.max_detokenize_tokens, serving.max_model_len)
-    raw = await read_json(request, serving.limits.max_body_bytes, limit + 64)
+    raw = await read_json(request, serving.limits, limit + 64)
     if isinstance(raw.get("tokens"), list) and len(raw["tokens"]) > limit:
         raise APIError(f"tokens has {len(raw['tokens'])} ids, more than this server decodes at once ({limit})",
                        param="tokens")

@@ -20,7 +20,7 @@ from nanoserve.entrypoints.openai.streaming import Answer, generate_response
 async def create_chat_completion(request: Request) -> Response:
     arrival_time = time.perf_counter()
     serving: Serving = request.app.state.serving
-    body = parse(ChatBody, await read_json(request, serving.limits.max_body_bytes, serving.max_body_values))
+    body = parse(ChatBody, await read_json(request, serving.limits, serving.max_body_values))
     return await serve_chat(serving, request, body, arrival_time)
 
 

@@ -142,7 +142,7 @@ def check_num_prompts(prompt: object, limit: int) -> None:
 async def create_completion(request: Request) -> Response:
     arrival_time = time.perf_counter()  # TTFT, queue time and latency count from the HTTP request's arrival
     serving: Serving = request.app.state.serving
-    raw = await read_json(request, serving.limits.max_body_bytes, serving.max_body_values)
+    raw = await read_json(request, serving.limits, serving.max_body_values)
     check_num_prompts(raw.get("prompt"), serving.limits.max_completions_per_request)
     body = parse(CompletionBody, raw)
     prompts = prompt_list(body.prompt)

@@ -332,7 +332,7 @@ class Serving:
             self.grammars.leave(spec)
 
     def fit_to_context(self, params: SamplingParams, max_tokens: int | None, num_prompt_tokens: int,
-                       field: str) -> SamplingParams:
+                       field: str, max_tokens_field: str = "max_tokens") -> SamplingParams:
         """params with max_tokens settled (None: up to the end of the context).
 
         A 400 if the prompt and max_tokens do not fit in max_model_len (vLLM's "context length exceeded")."""
@@ -342,9 +342,9 @@ class Serving:
                            f"room for a completion in max_model_len={self.max_model_len}", param=field,
                            code="context_length_exceeded")
         if max_tokens is not None and max_tokens > room:
-            raise APIError(f"context length exceeded: {num_prompt_tokens} tokens in the {field} + max_tokens="
-                           f"{max_tokens} > max_model_len={self.max_model_len}; lower max_tokens or shorten the "
-                           f"{field}", param="max_tokens", code="context_length_exceeded")
+            raise APIError(f"context length exceeded: {num_prompt_tokens} tokens in the {field} + {max_tokens_field}="
+                           f"{max_tokens} > max_model_len={self.max_model_len}; lower {max_tokens_field} or shorten "
+                           f"the {field}", param=max_tokens_field, code="context_length_exceeded")
         try:
             return replace(params, max_tokens=given(max_tokens, room))
         except InvalidRequest as error:  # min_tokens past the room left

@@ -54,7 +54,7 @@ TEXT_PART_TYPES = ("input_text", "output_text", "text")  # a message's text part
 async def create_response(request: Request) -> Response:
     arrival_time = time.perf_counter()
     serving: Serving = request.app.state.serving
-    body = parse(ResponsesBody, await read_json(request, serving.limits.max_body_bytes, serving.max_body_values))
+    body = parse(ResponsesBody, await read_json(request, serving.limits, serving.max_body_values))
     try:
         return await serve_chat(serving, request, chat_body(body), arrival_time, partial(answer, body=body))
     except APIError as error:
@@ -87,6 +87,12 @@ def chat_body(body: ResponsesBody) -> ChatBody:
     if body.store:
         raise APIError("store=true is not supported: this server stores no responses; send store=false",
                        param="store")
+    if body.background:
+        raise APIError("background=true is not supported: this server answers while the client waits",
+                       param="background")
+    if body.max_tool_calls is not None:
+        raise APIError("max_tool_calls is not supported by this server; bound the calls with tool_choice or "
+                       "parallel_tool_calls", param="max_tool_calls")
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     chat = dict(model=body.model, messages=system + input_messages(body.input), max_tokens=body.max_output_tokens,
                 temperature=body.temperature, top_p=body.top_p, stream=body.stream,

@@ -190,7 +190,7 @@ class ToolChatAPI(ChatAPI):
     def choice(self, index: int, shown: Shown) -> dict:
         if self.parse is None or shown.text is None:
             return super().choice(index, shown)
-        parsed = parse(self.parse, shown.text)
+        parsed = parse(self.parse, shown.text, cut_short=shown.finish_reason != "stop")
         calls = parsed.calls[:self.max_calls]
         if not self.are_calls(calls):  # the whole text as content, finish_reason the engine's
             return super().choice(index, shown)
@@ -205,7 +205,8 @@ class ToolChatAPI(ChatAPI):
         if self.parse is None or shown.text is None:
             return super().chunk_choice(index, shown)
         stream = self.streams.setdefault(index, ToolCallStream(self.parse, self.max_calls))
-        content, tool_calls = stream.feed(shown.text, final=shown.finish_reason is not None)
+        content, tool_calls = stream.feed(shown.text, final=shown.finish_reason is not None,
+                                          cut_short=shown.finish_reason != "stop")
         delta = {}
         if content:
             delta["content"] = content

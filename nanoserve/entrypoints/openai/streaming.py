@@ -123,7 +123,11 @@ async def generate_response(serving: Serving, request: Request, api: API, body: 
         prompts = await serving.in_tokenizer_thread(prepare, client)
         if params.structured_outputs is not None:  # compiled before the engine sees it: a bad one is a 400
             await serving.compile_grammar(params.structured_outputs, grammar_field(body), client)
-        fitted = [serving.fit_to_context(params, max_tokens, len(p.token_ids), api.prompt_field) for p in prompts]
+        # the field the client sent: a chat body's max_completion_tokens, else max_tokens
+        tokens_field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None \
+            else "max_tokens"
+        fitted = [serving.fit_to_context(params, max_tokens, len(p.token_ids), api.prompt_field, tokens_field)
+                  for p in prompts]
         await generation.submit([(p.token_ids, f) for p, f in zip(prompts, fitted)], arrival_time)
         formatter = api(body, prompts, params.n, serving.token_strings)
         head = dict(id=f"{api.id_prefix}-{generation.id}", object=api.chunk_object if body.stream else api.object,
@@ -144,11 +148,12 @@ async def generate_response(serving: Serving, request: Request, api: API, body: 
     return response
 
 
-async def whole_response(generation: Generation, api: Formatter, head: dict) -> StreamingResponse:
+async def whole_response(generation: Generation, api: Formatter, head: dict) -> TimedResponse:
     outputs = {index: result async for index, result in generation.results() if isinstance(result, RequestOutput)}
     shown = {index: api.show(index, outputs[index]) for index in sorted(outputs)}
     usage = api.usage(list(outputs.values()))
-    return StreamingResponse(json_body(api, head, shown, usage), media_type="application/json")
+    timeout = generation.serving.limits.write_timeout
+    return TimedResponse(json_body(api, head, shown, usage), "application/json", timeout)
 
 
 async def json_body(api: Formatter, head: dict, shown: dict[int, Shown], usage: dict) -> AsyncIterator[str]:
@@ -197,23 +202,17 @@ class WriteTimeout(Exception):
     """The client took no chunk for write_timeout seconds."""
 
 
-class EventStream(StreamingResponse):
-    """A streamed request's response.
+class TimedResponse(StreamingResponse):
+    """A response sent a chunk at a time, each within write_timeout seconds.
 
-    A client disconnect reaches the engine because Starlette cancels the response. Its
-    listen_for_disconnect task sees http.disconnect, and cancels the task that runs the event_stream
-    generator. Whenever that happens, __call__'s `finally` closes the generation, which aborts its engine
-    requests. That holds even before the generator has started, when its own `finally` would never run.
     A client that stays connected but does not read makes `send` wait. That is uvicorn's flow control,
     once the socket's buffers are full. After write_timeout seconds of that, the response ends unfinished
-    and uvicorn closes the connection."""
+    and uvicorn closes the connection. Whole replies need it as much as streams: seven unread n=128
+    replies held 427 MB past three timeouts."""
 
-    def __init__(self, generation: Generation, api: Formatter, head: dict, include_usage: bool,
-                 events: AsyncIterator[str] | None = None) -> None:  # events: another API's (serving_responses.py)
-        events = event_stream(generation, api, head, include_usage) if events is None else events
-        super().__init__(events, media_type="text/event-stream")
-        self.generation = generation
-        self.write_timeout = generation.serving.limits.write_timeout
+    def __init__(self, content: AsyncIterator[str] | list[str], media_type: str, write_timeout: float) -> None:
+        super().__init__(content, media_type=media_type)
+        self.write_timeout = write_timeout
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         async def send_or_give_up(message: dict) -> None:
@@ -224,7 +223,27 @@ class EventStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send_or_give_up)
         except WriteTimeout:  # returning unfinished: uvicorn closes the connection
-            logger.warning("closing a stream whose client took nothing for %s s", self.write_timeout)
+            logger.warning("closing a response whose client took nothing for %s s", self.write_timeout)
+
+
+class EventStream(TimedResponse):
+    """A streamed request's response.
+
+    A client disconnect reaches the engine because Starlette cancels the response. Its
+    listen_for_disconnect task sees http.disconnect, and cancels the task that runs the event_stream
+    generator. Whenever that happens, __call__'s `finally` closes the generation, which aborts its engine
+    requests. That holds even before the generator has started, when its own `finally` would never run.
+    A client that does not read is cut off after write_timeout seconds (TimedResponse)."""
+
+    def __init__(self, generation: Generation, api: Formatter, head: dict, include_usage: bool,
+                 events: AsyncIterator[str] | None = None) -> None:  # events: another API's (serving_responses.py)
+        events = event_stream(generation, api, head, include_usage) if events is None else events
+        super().__init__(events, "text/event-stream", generation.serving.limits.write_timeout)
+        self.generation = generation
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await super().__call__(scope, receive, send)
         finally:
             self.generation.close()
 

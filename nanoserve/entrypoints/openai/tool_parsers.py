@@ -113,6 +113,7 @@ class ToolReader:
 
     def __init__(self) -> None:
         self.calls: list[CallRead] = []
+        self.cut_short = True     # a final text that ends inside a call was cut (max_tokens): the call stays
         self.provisional = False  # the last of `calls` is the open JSON value's, read again at the next reading
 
     def read(self, text: str, final: bool) -> str:
@@ -160,7 +161,12 @@ class HermesReader(ToolReader):
                 stop = len(text) if final else len(text) - partial_suffix(text, HERMES_CLOSE, self.pos)
                 self.searched = max(self.pos, len(text) - len(HERMES_CLOSE) + 1)
             self.scan.read(text, end if end >= 0 else stop)
+            # A call shows once its JSON object closes: only then is it sure to be one. (A second "name" may
+            # come last; a block may end with its braces still open.) An output cut short inside it keeps it.
+            whole = self.scan.end is not None or final and end < 0 and self.cut_short
             call = read_call(text, self.scan, end if end >= 0 else stop, ("arguments", "parameters"))
+            if not whole or len(self.scan.last) < len(self.scan.values):  # a member twice: which is meant?
+                call = None
             self.show_call(call, end >= 0)
             if end < 0:
                 if call is None and final:  # no call after all: its text is content
@@ -267,9 +273,11 @@ def named_parser(name: str) -> Parser:
 PARSERS: dict[str, Parser] = {"hermes": HermesReader, "llama3_json": Llama3JsonReader}  # --tool-call-parser
 
 
-def parse(parser: Parser, text: str, final: bool = True) -> Parsed:
-    """A whole output's content and calls (a stream's, cut short, with final False)."""
+def parse(parser: Parser, text: str, final: bool = True, cut_short: bool = True) -> Parsed:
+    """A whole output's content and calls (a stream's, cut short, with final False). `cut_short` False: the
+    model ended the output itself, so a call it left open is no call (hermes)."""
     reader = parser()
+    reader.cut_short = cut_short
     content = reader.read(text, final)
     return Parsed(content, [call.tool_call(text) for call in reader.calls])
 
@@ -291,8 +299,10 @@ class ToolCallStream:
         self.num_arguments_sent: list[int] = []  # per call: characters of its arguments sent
         self.num_done = 0                        # the calls before it are settled and sent whole
 
-    def feed(self, delta: str, final: bool) -> tuple[str, list[dict]]:
-        """The new content and the tool_calls deltas, after `delta` (the output's next piece)."""
+    def feed(self, delta: str, final: bool, cut_short: bool = True) -> tuple[str, list[dict]]:
+        """The new content and the tool_calls deltas, after `delta` (the output's next piece); `cut_short` as
+        `parse` takes it."""
+        self.reader.cut_short = cut_short
         text, self.text = self.text, ""  # the one reference: `+=` grows the string in place, no copy per delta
         text += delta
         self.text = text
