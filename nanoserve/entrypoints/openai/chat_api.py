@@ -2,11 +2,23 @@
 
 `ChatAPI` formats the assistant's message, a role chunk first when streamed, and OpenAI's chat logprobs.
 serving_tools.py's ToolChatAPI builds on it. serving_chat.py's route picks one of them.
+`template_messages` turns a body's messages into what chat templates take.
 """
 from __future__ import annotations
 
+import json
+
 from nanoserve import RequestDelta, RequestOutput
-from nanoserve.entrypoints.openai.protocol import APIError, ChatBody, check_logprobs, given
+from nanoserve.entrypoints.openai.protocol import (
+    APIError,
+    ChatBody,
+    ContentPart,
+    Message,
+    MessageToolCall,
+    check_logprobs,
+    given,
+    shorten,
+)
 from nanoserve.entrypoints.openai.serving_engine import Formatter, Prompt, Shown, TokenStrings, clamp
 from nanoserve.sampler import Logprob
 
@@ -63,3 +75,42 @@ class ChatAPI(Formatter):
             top = sorted(position.items(), key=lambda item: item[1].rank)[:self.num_top]  # the token's own may be one
             return entry(token_id, position[token_id]) | {"top_logprobs": [entry(*item) for item in top]}
         return {"content": [with_top(t, p) for t, p in zip(shown.token_ids, shown.logprobs)]}
+
+
+def template_messages(messages: list[Message]) -> list[dict]:
+    """Messages as chat templates take them.
+
+    Content given as a list of text parts is joined by newlines (as vLLM does). An assistant's tool_calls
+    and a tool message's tool_call_id go along."""
+    result = []
+    for i, m in enumerate(messages):
+        if m.content is None and not m.tool_calls:
+            raise APIError(f"messages.{i}.content: Field required", param="messages")
+        parts = [ContentPart(type="text", text=m.content or "")] if not isinstance(m.content, list) else m.content
+        if any(p.type != "text" or p.text is None for p in parts):
+            raise APIError(f"messages.{i}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
+                           param="messages")
+        message = {"role": m.role, "content": "\n".join(p.text for p in parts)}
+        if m.tool_calls:
+            message["tool_calls"] = [template_tool_call(call) for call in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        result.append(message)
+    return result
+
+
+def template_tool_call(call: MessageToolCall) -> dict:
+    """A call as transformers' chat templates take it: the arguments as a dict, as vLLM passes them.
+
+    Templates write the arguments with tojson, so a string would be quoted twice. Arguments that are no
+    JSON object stay text."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    except RecursionError:  # nested past Python's limit ("[" * 5000): was a 500
+        raise APIError(f"a tool call's arguments nest too deep for this server (call {shorten(repr(call.id))})",
+                       param="messages") from None
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
+

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from nanoserve.entrypoints.openai.chat_api import template_messages
 from nanoserve.entrypoints.openai.protocol import (
     APIError,
     DetokenizeBody,
@@ -19,7 +20,6 @@ from nanoserve.entrypoints.openai.protocol import (
     given,
     parse,
     read_json,
-    template_messages,
 )
 from nanoserve.entrypoints.openai.serving_chat import create_chat_completion
 from nanoserve.entrypoints.openai.serving_completion import create_completion

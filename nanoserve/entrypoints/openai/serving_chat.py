@@ -11,7 +11,8 @@ import time
 from fastapi import Request
 from fastapi.responses import Response
 
-from nanoserve.entrypoints.openai.protocol import ChatBody, parse, read_json, template_messages
+from nanoserve.entrypoints.openai.chat_api import template_messages
+from nanoserve.entrypoints.openai.protocol import ChatBody, parse, read_json
 from nanoserve.entrypoints.openai.serving_engine import Prompt, Serving
 from nanoserve.entrypoints.openai.serving_tools import check_tool_schemas, prepare_tools, template_tools
 from nanoserve.entrypoints.openai.streaming import Answer, generate_response
