@@ -88,7 +88,7 @@ def send(client: httpx.Client, url: str, kind: str, path: str, body: dict) -> in
             next(reply.iter_bytes(), None)
             return reply.status_code  # leaving the block closes the connection mid-stream
         text = "".join(reply.iter_text())
-    return 500 if '"error"' in text else reply.status_code
+    return 500 if reply.status_code == 200 and '"error"' in text else reply.status_code  # an error mid-stream
 
 
 def rss_mb(pid: int) -> float:
@@ -168,6 +168,7 @@ def main() -> None:
     log = Path(tempfile.mkdtemp(prefix="soak-")) / "server.log"
     server, url = start_server(log)
     lock, state = threading.Lock(), dict(sent=0, failed=0, engine=0)
+    wrong: dict[tuple[str, int | None], int] = {}  # (kind, status): how many
     start, deadline = time.perf_counter(), time.perf_counter() + 60 * args.minutes
     print(f"{'requests':>9} {'seconds':>8} {'server MB':>10} {'workers MB':>11} {'wrong':>8}", flush=True)
     print(f"{0:>9} {0:>8.0f} {rss_mb(server.pid):>10.0f} {sum(map(rss_mb, children(server.pid))):>11.0f} {0:>8}",
@@ -185,7 +186,9 @@ def main() -> None:
                 kind = kinds[i % len(kinds)]
                 status = send(client, url, kind, *request(kind, i, rng))
                 with lock:
-                    state["failed"] += status != HOSTILE.get(kind, 200)
+                    if status != HOSTILE.get(kind, 200):
+                        state["failed"] += 1
+                        wrong[kind, status] = wrong.get((kind, status), 0) + 1
                     state["engine"] += status in (200, None)  # the requests the engine saw
                     if (i + 1) % args.every == 0:  # (a row per --every requests sent, read as they finish)
                         print(f"{i + 1:>9} {time.perf_counter() - start:>8.0f} {rss_mb(server.pid):>10.0f} "
@@ -196,6 +199,8 @@ def main() -> None:
             thread.start()
         for thread in threads:
             thread.join()
+        if wrong:
+            print("wrong answers (kind, status): " + ", ".join(f"{k} x{n}" for k, n in sorted(wrong.items(), key=str)))
         check_metrics(url, state["engine"])
     finally:
         server.terminate()
