@@ -137,9 +137,9 @@ def read_metrics(url: str) -> dict[str, float]:
     return found
 
 
-def check_metrics(url: str, num_requests: int) -> None:
-    """Once the engine is idle: no request running or waiting, every KV block free, and each request the
-    engine saw (answered, or left by its client) counted once as finished."""
+def check_metrics(url: str, num_answered: int, num_left: int) -> None:
+    """Once the engine is idle: no request running or waiting, and every KV block free. Each request added
+    finished once. Finished ones are those answered, and at most num_left more (the client gave up on them)."""
     deadline = time.time() + 60
     while (metrics := read_metrics(url))["vllm:num_requests_running"] + metrics["vllm:num_requests_waiting"]:
         if time.time() > deadline:
@@ -148,8 +148,11 @@ def check_metrics(url: str, num_requests: int) -> None:
     checks = {"running": metrics["vllm:num_requests_running"] == 0,
               "waiting": metrics["vllm:num_requests_waiting"] == 0,
               "KV blocks in use": metrics["vllm:kv_cache_usage_perc"] == 0,
-              f"finished == {num_requests}": metrics["vllm:request_success_total"] == num_requests}
-    print(f"/metrics: finished {metrics['vllm:request_success_total']:.0f}, KV usage "
+              "added <= finished": metrics["nanoserve:requests_added_total"] <= metrics["vllm:request_success_total"],
+              "finished - answered in [0, left]":
+                  0 <= metrics["vllm:request_success_total"] - num_answered <= num_left}
+    print(f"/metrics: added {metrics['nanoserve:requests_added_total']:.0f}, finished "
+          f"{metrics['vllm:request_success_total']:.0f}, answered {num_answered}, left {num_left}, KV usage "
           f"{metrics['vllm:kv_cache_usage_perc']}, free blocks {metrics['nanoserve:num_free_blocks']:.0f}", flush=True)
     print("/metrics consistent" if all(checks.values()) else
           f"/metrics INCONSISTENT: {[name for name, ok in checks.items() if not ok]}", flush=True)
@@ -167,7 +170,7 @@ def main() -> None:
     kinds = args.kinds.split(",")
     log = Path(tempfile.mkdtemp(prefix="soak-")) / "server.log"
     server, url = start_server(log)
-    lock, state = threading.Lock(), dict(sent=0, failed=0, engine=0)
+    lock, state = threading.Lock(), dict(sent=0, failed=0, answered=0, left=0)
     wrong: dict[tuple[str, int | None], int] = {}  # (kind, status): how many
     start, deadline = time.perf_counter(), time.perf_counter() + 60 * args.minutes
     print(f"{'requests':>9} {'seconds':>8} {'server MB':>10} {'workers MB':>11} {'wrong':>8}", flush=True)
@@ -189,7 +192,8 @@ def main() -> None:
                     if status != HOSTILE.get(kind, 200):
                         state["failed"] += 1
                         wrong[kind, status] = wrong.get((kind, status), 0) + 1
-                    state["engine"] += status in (200, None)  # the requests the engine saw
+                    state["answered"] += status == 200  # a dropped stream too: it had its first chunk
+                    state["left"] += status is None  # left before its answer: it may never have been added
                     if (i + 1) % args.every == 0:  # (a row per --every requests sent, read as they finish)
                         print(f"{i + 1:>9} {time.perf_counter() - start:>8.0f} {rss_mb(server.pid):>10.0f} "
                               f"{sum(map(rss_mb, children(server.pid))):>11.0f} {state['failed']:>8}", flush=True)
@@ -201,7 +205,7 @@ def main() -> None:
             thread.join()
         if wrong:
             print("wrong answers (kind, status): " + ", ".join(f"{k} x{n}" for k, n in sorted(wrong.items(), key=str)))
-        check_metrics(url, state["engine"])
+        check_metrics(url, state["answered"], state["left"])
     finally:
         server.terminate()
         server.wait(30)
