@@ -443,7 +443,8 @@ def test_tokenize_detokenize_version(server, offline):
 
 # --- Metrics -------------------------------------------------------------------------------------
 
-# Catches: /metrics that does not parse, counters that do not count, vLLM's names or model_name label missing.
+# Catches: /metrics that does not parse, counters that do not count, vLLM's names or model_name label missing,
+# requests added not counted (scripts/soak.py compares them with those finished).
 def test_metrics_count(server, client):
     before = metrics(server)
     prompt = "Mr. Bennet was among the earliest of those who waited on Mr. Bingley."  # 2 blocks for the second
@@ -456,7 +457,7 @@ def test_metrics_count(server, client):
     assert grew("vllm:prompt_tokens_total") == grew("vllm:prefix_cache_queries_total") == 2 * num_prompt_tokens
     assert 16 <= grew("vllm:prefix_cache_hits_total") < num_prompt_tokens  # the first request finds none
     assert grew("vllm:generation_tokens_total") == 10
-    assert grew("vllm:request_success_total{finished_reason=length}") == 2
+    assert grew("vllm:request_success_total{finished_reason=length}") == grew("nanoserve:requests_added_total") == 2
     for histogram in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
         assert grew(f"vllm:{histogram}_seconds_count") == 2
     assert grew("vllm:time_per_output_token_seconds_count") == 8

@@ -39,6 +39,7 @@ class Metrics(StatLogger):
         self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.rejected = counter("nanoserve:requests_rejected", "Requests refused with 429: too many in flight")
+        self.added = counter("nanoserve:requests_added", "Requests the engine took")
         self.ttft = seconds("vllm:time_to_first_token_seconds", "From arrival to the first token")
         self.itl = seconds("vllm:time_per_output_token_seconds", "Between two tokens of a request")
         self.e2e_latency = seconds("vllm:e2e_request_latency_seconds", "From arrival to finish")
@@ -61,6 +62,7 @@ class Metrics(StatLogger):
         return kind(name, doc, ["model_name"], registry=self.registry, **kwargs).labels(self.model_name)
 
     def record_added(self, request_id: str, num_prompt_tokens: int, arrival_time: float) -> None:
+        self.added.inc()
         self.unscheduled[request_id] = (arrival_time, num_prompt_tokens)
         self.no_token_yet[request_id] = arrival_time
 
