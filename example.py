@@ -4,6 +4,7 @@
     python example.py --model PATH     # any local Llama checkpoint folder (config.json, safetensors, tokenizer)
     python example.py --trace          # also print the first steps as the walkthrough's arrays (docs/walkthrough.md)
     python example.py --quantization int8   # int8 weights, a scale per output channel (docs/quantization.md)
+    python example.py --model SMOLLM2 --quantization int4   # int4 weights, a scale and zero per 32 inputs
 
 Seven requests start together; an eighth arrives a few steps later and joins the running batch.
 It repeats the opening of an earlier prompt, so its first KV blocks come from the prefix cache.
@@ -62,7 +63,9 @@ def main() -> None:
                         help="a local Llama checkpoint folder (default: the bundled one)")
     parser.add_argument("--trace", nargs="?", type=int, const=4, default=0, metavar="STEPS",
                         help="print the first STEPS steps (default 4) the way the walkthrough shows them")
-    parser.add_argument("--quantization", choices=["int8"], help="the weights int8 (docs/quantization.md)")
+    parser.add_argument("--quantization", choices=["int8", "int4"],
+                        help="the weights int8 or int4 (docs/quantization.md); int4 needs layers whose inputs are "
+                             "a multiple of 32, so not the bundled model's (688)")
     args = parser.parse_args()
     # the KV cache fits 8 full-length requests
     llm = LLM(args.model, block_size=16, max_num_seqs=8, quantization=args.quantization)

@@ -1,8 +1,9 @@
-"""What int8 weights (quantization="int8") change in a real model's output, against its float32 weights.
+"""What int8 and int4 weights (quantization="int8", "int4") change in a real model's output, against float32.
 
     python scripts/quantization_error.py SMOLLM2_FOLDER [--max-tokens 32]
 
-Two measures, each for float32, bfloat16, and int8 weights with float32 and with bfloat16 activations:
+Two measures, each for float32, bfloat16, int8 weights with float32 and with bfloat16 activations, and
+int4 weights (groups of 32 and of 64) with bfloat16 activations:
 - perplexity, exp(-mean log p(token | the tokens before it)), of two English passages: the preamble of the
   GNU GPL version 3 (/usr/share/common-licenses/GPL-3 on Debian and Ubuntu) and the opening of Pride and
   Prejudice (nanoserve/benchmarks/spec_decode.py's PASSAGE), read from the engine's prompt logprobs;
@@ -31,6 +32,9 @@ VARIANTS = {
     "bfloat16": dict(dtype="bfloat16"),
     "int8, float32 activations": dict(dtype="float32", quantization="int8"),
     "int8, bfloat16 activations": dict(dtype="bfloat16", quantization="int8"),
+    "int4 (groups of 32), bfloat16 activations": dict(dtype="bfloat16", quantization="int4"),
+    "int4 (groups of 64), bfloat16 activations": dict(dtype="bfloat16", quantization="int4",
+                                                      quantization_config={"group_size": 64}),
 }
 
 

@@ -226,8 +226,10 @@ def test_llama_cpp_output_is_parsed_per_batch_size(capsys):
         raise AssertionError("a missing binary must stop the run")
 
 
-# Catches: --quantization not reaching nanoserve beside a Q8_0 GGUF (its row silently float); llama.cpp is canned.
-def test_llama_cpp_comparison_passes_quantization(tiny_models, monkeypatch, capsys):
+# Catches: --quantization not reaching nanoserve beside a Q8_0 or Q4_0 GGUF (its row silently float), or int4
+# refused by the bench's own choices; llama.cpp is canned.
+@pytest.mark.parametrize("quantization, gguf", [("int8", "q8_0.gguf"), ("int4", "q4_0.gguf")])
+def test_llama_cpp_comparison_passes_quantization(tiny_models, monkeypatch, capsys, quantization, gguf):
     configs = []
 
     def spy(path, workload, scheduling, **config):
@@ -235,10 +237,11 @@ def test_llama_cpp_comparison_passes_quantization(tiny_models, monkeypatch, caps
         return throughput.run_nanoserve(path, workload, scheduling, **config)
     monkeypatch.setattr(llama_cpp, "run_llama_cpp", lambda *args: [PeerRow("llama.cpp", 1, 20.0, 100.0)])
     monkeypatch.setattr(llama_cpp, "run_nanoserve", spy)
-    main(["--model", tiny_models["gqa"], "--llama-cpp", "llama-batched-bench", "--gguf", "/models/q8_0.gguf",
-          "--batch-sizes", "1", "--prompt-len", "4", "--gen-len", "3", "--quantization", "int8", "--no-transformers"])
-    assert [c["quantization"] for c in configs] == ["int8"]
-    assert "llama.cpp runs q8_0.gguf, nanoserve quantization=int8" in capsys.readouterr().out
+    main(["--model", tiny_models["gqa"], "--llama-cpp", "llama-batched-bench", "--gguf", f"/models/{gguf}",
+          "--batch-sizes", "1", "--prompt-len", "4", "--gen-len", "3", "--quantization", quantization,
+          "--no-transformers"])
+    assert [c["quantization"] for c in configs] == [quantization]
+    assert f"llama.cpp runs {gguf}, nanoserve quantization={quantization}" in capsys.readouterr().out
 
 
 # Catches: a batch size llama.cpp skipped (its sequences did not fit its context) shifting the other

@@ -39,6 +39,8 @@ def test_serve_help_and_mistakes(monkeypatch, capsys):
     for argv, words in [(["serve", nanoserve.DEFAULT_MODEL, "--bogus"], "nanoserve serve: error: unrecognized"),
                         (["serve", nanoserve.DEFAULT_MODEL, "--block-size", "0"], "block_size"),
                         (["serve", nanoserve.DEFAULT_MODEL, "--quantization", "int3"], "quantization must be"),
+                        (["serve", nanoserve.DEFAULT_MODEL, "--quantization", "int4", "--quantization-config",
+                          '{"group_size": 48}'], "quantization_config must be"),
                         (["serve"], "model"),
                         (["bogus"], "invalid choice: 'bogus'"),
                         ([], "command")]:

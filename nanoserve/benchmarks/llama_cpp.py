@@ -54,7 +54,7 @@ def run_nanoserve_batch(path: str, batch_size: int, prompt_len: int, gen_len: in
                         vocab_size: int, seed: int, enforce_eager: bool = True,
                         quantization: str | None = None) -> PeerRow:
     """The same shape on nanoserve: B requests of random prompt ids, greedy, EOS ignored, all at once.
-    With `quantization` ("int8"), its weights are int8, to set beside a Q8_0 GGUF."""
+    With `quantization` ("int8" or "int4"), its weights are so, to set beside a Q8_0 or a Q4_0 GGUF."""
     workload = make_workload(batch_size, (prompt_len, prompt_len), (gen_len, gen_len), vocab_size, seed)
     max_model_len = whole_blocks(prompt_len + gen_len, 16)
     result = run_nanoserve(path, workload, "continuous", block_size=16, max_num_seqs=batch_size, dtype=dtype,

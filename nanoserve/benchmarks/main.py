@@ -12,6 +12,7 @@ the point: every engine runs on the same machine in the same run.
     python -m nanoserve.bench --server http://127.0.0.1:8000 --rates 2,4,8   # the same load over HTTP + SSE
     python -m nanoserve.bench --llama-cpp llama-batched-bench --gguf model.gguf --model HF_FOLDER  # vs llama.cpp
     python -m nanoserve.bench --llama-cpp ... --gguf model-q8_0.gguf --quantization int8 --dtype bfloat16  # vs Q8_0
+    python -m nanoserve.bench --llama-cpp ... --gguf model-q4_0.gguf --quantization int4 --dtype bfloat16  # vs Q4_0
     python -m nanoserve.bench --busy-neighbour      # the same, beside one busy Python process at nice 10
     python -m nanoserve.bench --no-enforce-eager    # nanoserve compiled (torch.compile), not op by op
 """
@@ -65,9 +66,10 @@ def make_parser(prog: str = "python -m nanoserve.bench") -> argparse.ArgumentPar
     p.add_argument("--max-seconds", type=float,
                    help="stop transformers' continuous batching (hf-cb) after this long and report its rate so far "
                         "(default 60 with --workload nanovllm on a GPU, where a whole run takes it half an hour)")
-    p.add_argument("--quantization", choices=("int8",),
-                   help="nanoserve's weights int8, a scale per output channel (docs/quantization.md); with "
-                        "--llama-cpp, set it beside a Q8_0 --gguf")
+    p.add_argument("--quantization", choices=("int8", "int4"),
+                   help="nanoserve's weights int8, a scale per output channel, or int4, a scale and a zero per "
+                        "32 inputs (docs/quantization.md); with --llama-cpp, set int8 beside a Q8_0 --gguf and "
+                        "int4 beside a Q4_0 one")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="nanoserve op by op (the default), or compiled with --no-enforce-eager")

@@ -38,6 +38,7 @@ def JSON(text: str) -> object:  # named for argparse's "invalid JSON value: '...
 ENGINE_OPTIONS = {"block_size": int, "num_kvcache_blocks": int, "max_num_seqs": int, "max_num_batched_tokens": int,
                   "max_model_len": int, "dtype": str, "device": str, "attention_backend": str,
                   "gpu_memory_utilization": float, "tensor_parallel_size": int, "quantization": str,
+                  "quantization_config": JSON,  # int4's '{"group_size": 64}'
                   "speculative_config": JSON}  # as vLLM: '{"method": "ngram", "num_speculative_tokens": 4, ...}'
 
 
