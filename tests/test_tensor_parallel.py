@@ -166,7 +166,7 @@ def test_a_failed_engine_start_after_the_runner_stops_the_workers(tiny_models):
 def test_a_worker_that_dies_before_joining_is_reported_at_once(tiny_models):
     """Rank 0 must not wait in the group's rendezvous (2 minutes) for a worker that is already dead."""
     config = Config(tiny_models["gqa"], tensor_parallel_size=2)
-    workers = Workers(config, 256, torch.device("cpu"))
+    workers = Workers(config, 256, torch.device("cpu"), None)  # no weight transform
     os.kill(workers.processes[0].pid, signal.SIGKILL)  # long before it says "started" (spawning takes seconds)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="worker 1 failed to start(.|\n)*died"):
