@@ -38,7 +38,7 @@ def check_bounds(spec: dict[str, Any], max_bytes: int = MAX_BYTES, max_depth: in
       the regex, the grammar and every string of the schema.
     - At most `max_depth` quantifiers stacked on one atom, and MAX_QUANTIFIERS in all. That counts the regex,
       the grammar and the schema's patterns."""
-    patterns = [spec[name] for name in ("regex", "grammar") if isinstance(spec.get(name), str)]
+    patterns = [typed(spec, name, str) for name in ("regex", "grammar")]
     schema = spec.get("json")
     texts = patterns + [text for text in (schema, *(spec.get("choice") or ())) if isinstance(text, str)]
     if num_bytes(texts) > max_bytes:
@@ -133,8 +133,9 @@ def check_keywords(schema: dict) -> None:
 def check_satisfiable(schema: dict) -> None:
     """Refuse a schema no value fits: an empty type or enum, a minimum over its maximum, an allOf of types that
     exclude one another, a required property that additionalProperties false forbids."""
-    if schema.get("type") == [] or schema.get("enum") == []:
-        refuse(f"gives an empty {'type' if schema.get('type') == [] else 'enum'}: no value fits it")
+    for keyword in ("type", "enum"):
+        if schema.get(keyword) == []:
+            refuse(f"gives an empty {keyword}: no value fits it")
     for low, high in (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
                       ("minProperties", "maxProperties")):
         if all(isinstance(schema.get(k), (int, float)) for k in (low, high)) and schema[low] > schema[high]:
@@ -173,9 +174,9 @@ def values_of(schema: dict, name: str) -> set[str]:
     return {json.dumps(value, sort_keys=True) for value in values}
 
 
-def typed(schema: dict, key: str, kind: type) -> Any:
-    """schema[key] where it is a `kind` (str, list or dict); else an empty one, as if it were not there."""
-    value = schema.get(key)
+def typed(fields: dict, key: str, kind: type) -> Any:
+    """fields[key] where it is a `kind` (str, list or dict); else an empty one, as if it were missing."""
+    value = fields.get(key)
     return value if isinstance(value, kind) else kind()
 
 
