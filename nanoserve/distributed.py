@@ -82,19 +82,17 @@ def broadcast_from_rank0(value: object, shard: Shard) -> object:
     return objects[0]
 
 
-def join_group(shard: Shard, store: dist.TCPStore, device: torch.device) -> None:
+def join_group(shard: Shard, store: dist.TCPStore, device: torch.device) -> torch.device:
     """Every rank calls this once: one process group, gloo between CPU processes, NCCL between GPUs,
-    meeting at rank 0's TCPStore. `device` has its index on CUDA (see rank_device)."""
-    backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
-    if device_id is not None:
-        torch.cuda.set_device(device_id)  # collectives' (and broadcast_object_list's) current GPU
+    meeting at rank 0's TCPStore. Returns the rank's device. On a CPU every rank shares `device`. On CUDA,
+    rank r's is the r-th GPU after rank 0's `device`."""
+    backend = "gloo"
+    if device.type == "cuda":
+        backend, device = "nccl", torch.device("cuda", (device.index or 0) + shard.rank)
+        torch.cuda.set_device(device)  # collectives' (and broadcast_object_list's) current GPU
     dist.init_process_group(backend, store=store, rank=shard.rank, world_size=shard.size, timeout=TIMEOUT,
-                            device_id=device_id)
-
-
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank r's device: the next r-th GPU after rank 0's; on a CPU every rank shares it."""
-    return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
+                            device_id=device if backend == "nccl" else None)
+    return device
 
 
 def check_tensor_parallel(size: int, hf_config: PretrainedConfig, device: torch.device) -> None:

@@ -38,7 +38,7 @@ def check_bounds(spec: dict[str, Any], max_bytes: int = MAX_BYTES, max_depth: in
       the regex, the grammar and every string of the schema.
     - At most `max_depth` quantifiers stacked on one atom, and MAX_QUANTIFIERS in all. That counts the regex,
       the grammar and the schema's patterns."""
-    patterns = [spec[name] for name in ("regex", "grammar") if isinstance(spec.get(name), str)]
+    patterns = [typed(spec, name, str) for name in ("regex", "grammar")]
     schema = spec.get("json")
     texts = patterns + [text for text in (schema, *(spec.get("choice") or ())) if isinstance(text, str)]
     if num_bytes(texts) > max_bytes:
@@ -90,10 +90,8 @@ def walk_schema(schema: dict | list, max_depth: int) -> tuple[list[str], list[st
             refuse(f"nests its schema over {max_depth} deep, more than this server takes")
         if role == "schema" and isinstance(value, dict):
             check_keywords(value)
-            if isinstance(value.get("pattern"), str):
-                patterns.append(value["pattern"])
-            if isinstance(value.get("patternProperties"), dict):
-                patterns += [key for key in value["patternProperties"] if isinstance(key, str)]
+            patterns += [typed(value, "pattern", str)]
+            patterns += [key for key in typed(value, "patternProperties", dict) if isinstance(key, str)]
         for key, item in value.items() if isinstance(value, dict) else enumerate(value):
             strings += [text for text in (key, item) if isinstance(text, str)]
             if isinstance(item, (dict, list)):
@@ -121,11 +119,12 @@ def check_keywords(schema: dict) -> None:
             refuse(f"uses the keyword {keyword}, which this server cannot enforce")
     if schema.get("uniqueItems") is True:
         refuse("uses the keyword uniqueItems, which this server cannot enforce")
-    if isinstance(schema.get("pattern"), str) and re.search(r"\(\?<?[=!]", schema["pattern"]):
+    if re.search(r"\(\?<?[=!]", typed(schema, "pattern", str)):
         refuse("has a lookahead or lookbehind in a pattern, which this server cannot enforce")
-    if isinstance(schema.get("$ref"), str) and not schema["$ref"].startswith("#"):
+    ref = typed(schema, "$ref", str)
+    if ref and not ref.startswith("#"):
         refuse("has a $ref outside the schema (a remote one), which this server does not fetch")
-    members = schema.get("oneOf") if isinstance(schema.get("oneOf"), list) else []
+    members = typed(schema, "oneOf", list)
     if any(not disjoint(a, b) for i, a in enumerate(members) for b in members[i + 1:]):
         refuse("has a oneOf whose members may overlap, which this server enforces as anyOf")
     check_satisfiable(schema)
@@ -134,18 +133,18 @@ def check_keywords(schema: dict) -> None:
 def check_satisfiable(schema: dict) -> None:
     """Refuse a schema no value fits: an empty type or enum, a minimum over its maximum, an allOf of types that
     exclude one another, a required property that additionalProperties false forbids."""
-    if schema.get("type") == [] or schema.get("enum") == []:
-        refuse(f"gives an empty {'type' if schema.get('type') == [] else 'enum'}: no value fits it")
+    for keyword in ("type", "enum"):
+        if schema.get(keyword) == []:
+            refuse(f"gives an empty {keyword}: no value fits it")
     for low, high in (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
                       ("minProperties", "maxProperties")):
         if all(isinstance(schema.get(k), (int, float)) for k in (low, high)) and schema[low] > schema[high]:
             refuse(f"has {low} over {high}: no value fits it")
-    members = schema.get("allOf") if isinstance(schema.get("allOf"), list) else []
-    types = [type_set(m["type"]) for m in members if isinstance(m, dict) and isinstance(m.get("type"), (str, list))]
+    types = [type_set(m["type"]) for m in typed(schema, "allOf", list)
+             if isinstance(m, dict) and isinstance(m.get("type"), (str, list))]
     if types and not set.intersection(*types):
         refuse("has an allOf whose types exclude one another: no value fits it")
-    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    properties, required = typed(schema, "properties", dict), typed(schema, "required", list)
     if schema.get("additionalProperties") is False and any(name not in properties for name in required):
         refuse("has required properties that additionalProperties false forbids: no value fits it")
 
@@ -168,12 +167,17 @@ def required_of(schema: dict) -> set[str]:
 
 def values_of(schema: dict, name: str) -> set[str]:
     """The values a property may take, where its schema lists them (const or enum; as JSON text); else empty."""
-    properties = schema.get("properties")
-    prop = properties.get(name) if isinstance(properties, dict) else None
+    prop = typed(schema, "properties", dict).get(name)
     if not isinstance(prop, dict):
         return set()
-    values = [prop["const"]] if "const" in prop else prop.get("enum") if isinstance(prop.get("enum"), list) else []
+    values = [prop["const"]] if "const" in prop else typed(prop, "enum", list)
     return {json.dumps(value, sort_keys=True) for value in values}
+
+
+def typed(fields: dict, key: str, kind: type) -> Any:
+    """fields[key] where it is a `kind` (str, list or dict); else an empty one, as if it were missing."""
+    value = fields.get(key)
+    return value if isinstance(value, kind) else kind()
 
 
 def type_set(types: str | list) -> set[str]:

@@ -174,12 +174,12 @@ class GrammarWorker:
         self.conn.send(job)
         self.job = job
         answered = self.conn.poll(self.seconds)
-        reply = self.receive() if answered else None
         self.job = None
         if not answered:
             self.stop()
             raise InvalidRequest("structured_outputs", f"structured_outputs took over {self.seconds} s to compile, "
                                                        "this server's limit")
+        reply = self.receive()
         if reply is None:
             exit_code = self.process.wait()
             self.stop()

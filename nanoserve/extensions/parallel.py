@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from nanoserve.batch import Batch
 from nanoserve.config import Config
-from nanoserve.distributed import TIMEOUT, Shard, join_group, rank_device
+from nanoserve.distributed import TIMEOUT, Shard, join_group
 from nanoserve.model_runner import ModelRunner
 from nanoserve.models.loader import Checkpoint, read_checkpoint
 from nanoserve.sampler import SamplerOutput
@@ -32,13 +32,13 @@ class TensorParallelRunner(ModelRunner):
 
     def __init__(self, config: Config, device: torch.device, max_model_len: int, checkpoint: Checkpoint,
                  seams: Seams) -> None:
-        shard, device = Shard(0, config.tensor_parallel_size), rank_device(device, 0)  # as each worker's
+        shard = Shard(0, config.tensor_parallel_size)
         self.workers = Workers(config, max_model_len, device, seams.weight_transform)
         # at close(), or once this runner is garbage (an LLM dropped without close()); only once
         self.release = weakref.finalize(self, self.workers.close)
         try:
             self.workers.wait_until_started()
-            join_group(shard, self.workers.store, device)
+            device = join_group(shard, self.workers.store, device)
             super().__init__(config, device, max_model_len, checkpoint, shard, seams)
             dist.barrier()  # every rank has its shard and cache: a worker's failure shows here
         except BaseException as error:
@@ -167,8 +167,8 @@ def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: o
     try:
         store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=TIMEOUT)
         pipe.send("started")
-        shard, device = Shard(rank, config.tensor_parallel_size), rank_device(device, rank)
-        join_group(shard, store, device)
+        shard = Shard(rank, config.tensor_parallel_size)
+        device = join_group(shard, store, device)
         # this process's one read of config.json (rank 0's is the engine's)
         runner = ModelRunner(config, device, max_model_len, read_checkpoint(config.model), shard,
                              Seams(weight_transform=weight_transform))
