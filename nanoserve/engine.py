@@ -46,7 +46,7 @@ class LLMEngine:
         checkpoint = read_checkpoint(config.model)  # config.json, read once: the runner gets it too
         hf_config = checkpoint.config
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
-        check_max_model_len(hf_config, checkpoint.family, self.max_model_len)  # positions, any sliding window
+        check_max_model_len(hf_config, self.max_model_len)
         # A block longer than the longest request wastes most of its slots; 256 (flash-attn's page) always fits.
         if config.block_size != "auto" and config.block_size > max(self.max_model_len, 256):
             raise ValueError(f"block_size={config.block_size} is larger than max_model_len={self.max_model_len} "

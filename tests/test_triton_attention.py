@@ -76,15 +76,18 @@ def paged_cache(seq_lens: list[int], block_size: int, num_kv_heads: int, head_di
 
 def check_against_reference(kernels, q_lens: list[int], k_lens: list[int], block_size: int, dtype: torch.dtype,
                             num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
-                            seed: int = 0) -> torch.Tensor:
-    """One paged_attention call for the whole batch, compared with the reference; returns the output."""
+                            seed: int = 0, window: int | None = None) -> torch.Tensor:
+    """One paged_attention call for the whole batch, compared with the reference; returns the output.
+    A sliding `window` of w keys is flash-attn's window_size=(w - 1, 0)."""
     torch.manual_seed(seed)
     k_cache, v_cache, block_tables = paged_cache(k_lens, block_size, num_kv_heads, head_dim, dtype, seed)
     q = torch.randn(sum(q_lens), num_heads, head_dim).to(dtype)
     query_start_loc, seq_lens = cumsum0(q_lens), torch.tensor(k_lens, dtype=torch.int32)
-    out = kernels.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 0.3)
+    out = kernels.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 0.3, window)
+    window_size = (-1, -1) if window is None else (window - 1, 0)
     expected = REFERENCE.flash_attn_varlen_func(q, k_cache, v_cache, query_start_loc, cumsum0(k_lens), max(q_lens),
-                                                max(k_lens), softmax_scale=0.3, causal=True, block_table=block_tables)
+                                                max(k_lens), softmax_scale=0.3, causal=True, window_size=window_size,
+                                                block_table=block_tables)
     torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
     return out
 
@@ -104,6 +107,17 @@ def test_prefill_chunks_and_decodes_in_one_call(kernels, block_size: int, dtype:
     starts = cumsum0(q_lens)
     assert torch.equal(out[starts[6]:starts[6] + 2], torch.zeros_like(out[:2]))  # 6 queries, 4 keys
     assert torch.equal(out[starts[7]:], torch.zeros_like(out[starts[7]:]))     # no key at all
+
+
+@interpreted
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_sliding_window(kernels, window: int):
+    """Each query sees only its last `window` keys: prompts and chunks longer than the window, decodes far
+    past it, a window wider than some contexts. Catches a window off by one key, a tile starting its keys
+    after its first query's window begins, or a window ignored."""
+    q_lens = [70, 9, 1, 1, 1, 6]
+    k_lens = [70, 46, 33, 1, 64, 4]
+    check_against_reference(kernels, q_lens, k_lens, 16, torch.float32, seed=window, window=window)
 
 
 @interpreted
@@ -176,7 +190,7 @@ def test_the_custom_op_passes_opcheck(kernels):
     slot_mapping = (block_tables[[0, 0, 0, 0, 1], [1, 1, 1, 1, 0]].long() * 16 + torch.tensor([16, 17, 18, 19, 2]) % 16)
     kv_cache = torch.stack([k_cache, v_cache])[:, None]  # one layer's: [2, 1, num_blocks, block_size, Hkv, D]
     args = (q, k, v, kv_cache, 0, slot_mapping, cumsum0([4, 1]), torch.tensor([20, 3], dtype=torch.int32),
-            block_tables, 0.3)
+            block_tables, 0.3, None)
     torch.library.opcheck(torch.ops.nanoserve.triton_attention.default, args)
 
 
@@ -204,6 +218,20 @@ def test_engine_matches_transformers(tiny_models):
     assert [o.token_ids for o in [first, *rest]] == expected
     assert rest[3].num_cached_tokens == 16  # the prefix hit
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+@interpreted
+def test_engine_with_a_sliding_window_matches_transformers(tmp_path):
+    """A tiny Mistral with an 8-token window, prompts and outputs several windows long, in 16-token steps
+    (prompts in chunks beside decodes): token-exact with transformers' eager attention. Catches the
+    backend dropping the layer's window on its way to the kernel."""
+    from test_sliding_window import hf_greedy_eager
+    path = conftest.build_tiny_model(str(tmp_path), "mistral", head_dim=8, seed=1, sliding_window=8)
+    prompts, max_tokens = ENGINE_PROMPTS[:3], [24, 30, 10]
+    llm = LLM(path, attention_backend="triton", device="cpu", dtype="float32", block_size=16,
+              max_num_batched_tokens=16)
+    outputs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
+    assert [o.token_ids for o in outputs] == hf_greedy_eager(path, prompts, max_tokens)
 
 
 @interpreted

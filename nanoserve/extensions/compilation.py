@@ -108,8 +108,8 @@ def compile_layers(model: torch.nn.Module) -> Callable:
     if isinstance(backend, TorchBackend):  # its plan goes in as tensors, to the op
         plan = backend.prepare
         backend.prepare = lambda batch, block_size, dtype: plan_tensors(plan(batch, block_size, dtype), dtype)
-        backend.forward = lambda q, k, v, kv_cache, layer, tensors: torch.ops.nanoserve.paged_attention(
-            q, k, v, kv_cache, layer, list(tensors), backend.scale)
+        backend.forward = lambda q, k, v, kv_cache, layer, tensors, window=None: torch.ops.nanoserve.paged_attention(
+            q, k, v, kv_cache, layer, list(tensors), backend.scale, window)
     elif isinstance(backend, FlashBackend):  # eager, between the graph's pieces
         backend.forward = torch.compiler.disable(backend.forward)
     # a copy of run_layers' code object, this model's own: dynamo keeps at most 8 graphs per code object
@@ -182,15 +182,15 @@ def read_plan(slot_mapping: Tensor, sizes: Tensor, bounds: Tensor, rows: Tensor,
 
 @torch.library.custom_op("nanoserve::paged_attention", mutates_args=("kv_cache",))
 def paged_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, tensors: list[Tensor],
-                       scale: float) -> Tensor:
-    """The torch backend's attention for layer `layer` (attention.py), as one op: q `[N, H, D]`, k, v
-    `[N, Hkv, D]` -> `[N, H, D]`, its plan read back from `plan_tensors`' `tensors`. They are one list
-    argument, not seven: each call of an op that mutates costs torch ~(arguments)^2 small objects (the
-    version bump's fill_defaults), ~50 us at 13 arguments, 30 times a step."""
+                       scale: float, window: int | None) -> Tensor:
+    """The torch backend's attention for layer `layer` (attention.py), with its sliding window if any, as
+    one op: q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`, its plan read back from `plan_tensors`'
+    `tensors`. They are one list argument, not seven: each call of an op that mutates costs torch
+    ~(arguments)^2 small objects (the version bump's fill_defaults), ~50 us at 13 arguments, 30 times a step."""
     k_cache, v_cache = kv_cache[:, layer]  # views taken inside the op: it declares the whole cache mutated
     plan = read_plan(*tensors, k_cache.shape[1])
     store_kvcache(k, v, k_cache, v_cache, plan.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, plan, scale).contiguous()
+    return paged_attention(q, k_cache, v_cache, plan, scale, window).contiguous()
 
 
 @paged_attention_op.register_fake

@@ -82,7 +82,7 @@ def read_checkpoint(path: str) -> Checkpoint:
     """config.json and the `Family` it describes (families.py), read once per process (by the engine; by each
     tensor-parallel worker), checked for an architecture in MODELS and for what llama.py implements. Only
     attributes every family's config has are read as such; a family's own (Llama's attention_bias) are read
-    where present. A sliding window is checked against max_model_len (`families.check_max_model_len`)."""
+    where present."""
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"model folder {path!r} does not exist")
