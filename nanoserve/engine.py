@@ -30,6 +30,7 @@ from nanoserve.sampling_params import uses_processors
 from nanoserve.scheduler import Scheduler
 from nanoserve.seams import Seams
 from nanoserve.sequence import Sequence
+from nanoserve.sliding_window import blocks_window
 from nanoserve.tokenizer import load_tokenizer, tokenize
 
 
@@ -65,7 +66,7 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(config.model)
             eos_token_ids = self.model_runner.eos_token_ids  # read once, by the runner (min_tokens bans them)
             self.scheduler = Scheduler(config, num_blocks, self.block_size, self.max_model_len, eos_token_ids,
-                                       seams.drafter)
+                                       seams.drafter, blocks_window(hf_config))
             self.grammars = seams.grammars and seams.grammars(self.tokenizer, self.vocab_size, eos_token_ids)
             self.requests: dict[str, Sequence] = {}  # unfinished requests by id
             self.aborted: list[RequestOutput] = []   # aborted or failed since the last step: the next reports them

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from transformers import PretrainedConfig
 
 
 def window_bias(bias: Tensor, window: int) -> Tensor:
@@ -31,3 +32,12 @@ def flash_window_size(window: int | None) -> tuple[int, int]:
     it, -1 for all. A window of w keys, the query's own included, is (w - 1, 0); causal attention has right 0."""
     return (-1, -1) if window is None else (window - 1, 0)
 
+
+def blocks_window(config: PretrainedConfig) -> int | None:
+    """The window after which a block may be returned while its request runs (block_manager.py): the
+    checkpoint's sliding window where every layer has it, else None. A layer of full attention (in
+    config.json's `layer_types`) reads every key, so a model with one keeps every block."""
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(kind != "sliding_attention" for kind in layer_types):
+        return None
+    return getattr(config, "sliding_window", None)
