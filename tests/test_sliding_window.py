@@ -1,0 +1,133 @@
+"""Sliding-window attention (nanoserve/sliding_window.py): a tiny random Mistral whose window (8 tokens) is far
+shorter than its prompts and outputs, token-exact with transformers' greedy generate (eager attention, float32)
+under every engine setup that changes which keys a step reads: blocks of one and of four tokens, chunked
+prefill, prefix-cache hits, preemption. A window that is off by one key, or ignored, changes the tokens."""
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import build_tiny_model, greedy
+from nanoserve import LLM, SamplingParams
+
+WINDOW = 8
+rng = random.Random(1)
+PREFIX = [rng.randrange(3, 256) for _ in range(28)]
+# several windows long; prompt 3 shares PREFIX with prompt 0, prompt 2 is shorter than the window
+PROMPTS = [PREFIX + [rng.randrange(3, 256) for _ in range(9)],
+           [rng.randrange(3, 256) for _ in range(45)],
+           [rng.randrange(3, 256) for _ in range(5)],
+           PREFIX + [rng.randrange(3, 256) for _ in range(3)]]
+MAX_TOKENS = [30, 20, 26, 24]
+SETUPS = {
+    "block_size_1": dict(block_size=1),
+    "block_size_4": dict(block_size=4),
+    "chunked_prefill": dict(block_size=4, max_num_batched_tokens=6),  # chunks shorter than the window
+}
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory) -> str:
+    """A tiny Mistral with an 8-token window; 512 positions, so that requests run many windows long."""
+    return build_tiny_model(str(tmp_path_factory.mktemp("mistral")), "mistral", head_dim=8, seed=1,
+                            sliding_window=WINDOW, max_position_embeddings=512)
+
+
+def hf_greedy_eager(path: str, prompts: list[list[int]], max_tokens: list[int], ignore_eos: bool = False,
+                    **overrides) -> list[list[int]]:
+    """transformers' greedy generate with its eager attention (the plainest mask), one prompt at a time."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                                 **overrides).eval()
+    if ignore_eos:
+        model.generation_config.eos_token_id = None
+    outputs = []
+    with torch.no_grad():
+        for prompt, n in zip(prompts, max_tokens):
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                 pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def expected(mistral) -> list[list[int]]:
+    return hf_greedy_eager(mistral, PROMPTS, MAX_TOKENS)
+
+
+def test_the_window_changes_the_reference(mistral, expected):
+    """Without its window the same weights answer otherwise: the tests below can tell a window ignored."""
+    assert hf_greedy_eager(mistral, PROMPTS, MAX_TOKENS, sliding_window=None) != expected
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_greedy_matches_transformers_past_the_window(mistral, expected, setup):
+    llm = LLM(mistral, **SETUPS[setup])
+    outputs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)
+    assert [o.token_ids for o in outputs] == expected
+    block_manager = llm.engine.scheduler.block_manager
+    assert block_manager.num_free_blocks == llm.engine.model_runner.num_blocks - 1
+
+
+def test_preemption_past_the_window(mistral, expected):
+    """Blocks a window returned keep their requests from running out of blocks, so preemption is forced: every
+    running request is preempted once it is several windows long, its table full of null blocks. It is then
+    recomputed from its first token. Catches a null entry freed as a block, a stale table after preemption."""
+    engine = LLM(mistral, block_size=4).engine
+    ids = [engine.add_request(prompt, greedy(n)) for prompt, n in zip(PROMPTS, MAX_TOKENS)]
+    outputs, steps = {}, 0
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step().outputs)
+        steps += 1
+        if steps == 12:
+            assert any(0 in seq.block_table for seq in engine.scheduler.running)
+            for seq in reversed(list(engine.scheduler.running)):
+                engine.scheduler.preempt(seq)
+        engine.scheduler.assert_invariants()
+    assert engine.scheduler.num_preemptions == 4
+    assert [outputs[i].token_ids for i in ids] == expected
+    assert engine.scheduler.block_manager.num_free_blocks == engine.model_runner.num_blocks - 1
+
+
+def test_prefix_cache_hits_past_the_window(mistral, expected):
+    """Prompt 3 reuses prompt 0's cached PREFIX blocks, which hold keys both inside and before its window."""
+    llm = LLM(mistral, block_size=4)
+    llm.generate([PROMPTS[0]], [greedy(MAX_TOKENS[0])], use_tqdm=False)
+    later = llm.generate([PROMPTS[3]], [greedy(MAX_TOKENS[3])], use_tqdm=False)[0]
+    assert later.num_cached_tokens == 28
+    assert later.token_ids == expected[3]
+
+
+def test_blocks_the_window_passed_go_back_while_the_request_runs(tmp_path):
+    """A 300-token request (10 prompt tokens, 290 generated) under a 16-token window, blocks of 4: at every
+    step it holds at most 5 blocks, the most its window's keys [p - 15, p] can span, and every block comes
+    back at the end. Still token-exact. Catches a block kept one step too long (6 held), a block returned
+    one step too early (its keys are still read: the tokens change), a block returned twice or never."""
+    path = build_tiny_model(str(tmp_path), "mistral", head_dim=8, seed=1, sliding_window=16,
+                            max_position_embeddings=512)
+    prompt = PROMPTS[1][:10]
+    engine = LLM(path, block_size=4).engine
+    scheduler = engine.scheduler
+    usable = engine.model_runner.num_blocks - 1
+    request = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=290, ignore_eos=True))
+    held, outputs = [], {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step().outputs)
+        held.append(usable - scheduler.block_manager.num_free_blocks)
+        scheduler.assert_invariants()
+    assert max(held) == 5 and held[-1] == 0 and len(held) == 290
+    assert outputs[request].token_ids == hf_greedy_eager(path, [prompt], [290], ignore_eos=True)[0]
+
+
+def test_a_model_with_a_global_layer_keeps_every_block(tmp_path):
+    """A model whose config.json lists a layer of full attention among sliding ones (`layer_types`): that layer
+    reads every key, so no block may go back early. Catches a window read from the sliding layers alone."""
+    from transformers import Qwen2Config
+
+    from nanoserve.sliding_window import blocks_window
+    mixed = Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=1, num_hidden_layers=3)
+    assert mixed.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    assert blocks_window(mixed) is None
+    everywhere = Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0, num_hidden_layers=3)
+    assert blocks_window(everywhere) == 16
