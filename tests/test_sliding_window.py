@@ -131,3 +131,51 @@ def test_a_model_with_a_global_layer_keeps_every_block(tmp_path):
     assert blocks_window(mixed) is None
     everywhere = Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0, num_hidden_layers=3)
     assert blocks_window(everywhere) == 16
+
+
+# Gemma 2 and 3 mix windowed layers with full ones, each layer its own (Family.layer_window)
+GEMMA_WINDOWS = {
+    "gemma2": dict(family="gemma2", head_dim=32, query_pre_attn_scalar=20, attn_logit_softcapping=1.5,
+                   final_logit_softcapping=2.0, sliding_window=WINDOW, num_hidden_layers=2),  # sliding, then full
+    "gemma3": dict(family="gemma3", head_dim=32, query_pre_attn_scalar=20, sliding_window=WINDOW, num_hidden_layers=3,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+}
+
+
+@pytest.mark.parametrize("name", GEMMA_WINDOWS)
+def test_gemma_windows_per_layer_match_transformers(tmp_path, name):
+    """Gemma 2 and 3 with an 8-token window on some layers only, prompts and outputs several windows long.
+    Chunks of 6 tokens, a prefix-cache hit, and every running request preempted at step 12: token-exact
+    with transformers. A global layer reads every key, so no block goes back early (no null entry).
+    Catches the window applied to every layer (or to none), and a mixed model returning blocks."""
+    path = build_tiny_model(str(tmp_path), max_position_embeddings=512, **GEMMA_WINDOWS[name])
+    expected = hf_greedy_eager(path, PROMPTS, MAX_TOKENS)
+    engine = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=6).engine
+    assert engine.scheduler.block_manager.sliding_window is None
+    ids = [engine.add_request(prompt, greedy(n)) for prompt, n in zip(PROMPTS, MAX_TOKENS)]
+    outputs, steps = {}, 0
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step().outputs)
+        steps += 1
+        assert not any(0 in seq.block_table for seq in engine.scheduler.running)
+        if steps == 12:
+            for seq in reversed(list(engine.scheduler.running)):
+                engine.scheduler.preempt(seq)
+        engine.scheduler.assert_invariants()
+    assert engine.scheduler.num_preemptions > 0
+    assert [outputs[i].token_ids for i in ids] == expected
+    later = engine.add_request(PROMPTS[3], greedy(MAX_TOKENS[3]))  # its PREFIX's 7 blocks are cached
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step().outputs)
+    assert outputs[later].num_cached_tokens == 28 and outputs[later].token_ids == expected[3]
+
+
+def test_only_a_model_windowed_everywhere_returns_blocks():
+    """An 8-token window frees blocks for Mistral (every layer has it), never for Gemma 2 or 3 (global layers).
+    Catches a window read from config.json's sliding_window alone."""
+    from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig
+
+    from nanoserve.sliding_window import blocks_window
+    assert blocks_window(MistralConfig(sliding_window=8)) == 8
+    assert blocks_window(Gemma2Config(sliding_window=8)) is None
+    assert blocks_window(Gemma3TextConfig(sliding_window=8)) is None
