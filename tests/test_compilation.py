@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 from test_engine import MAX_TOKENS, PROMPTS, SETUPS
+from test_sliding_window import GEMMA_WINDOWS, hf_greedy_eager
 from test_sliding_window import PROMPTS as WINDOW_PROMPTS
-from test_sliding_window import hf_greedy_eager
 from torch._dynamo.utils import counters
 from torch._inductor import freezing
 
@@ -49,11 +49,16 @@ def test_compiled_step_matches_transformers(tiny_models, model, setup):
         assert llm.engine.scheduler.num_preemptions > 0
 
 
-def test_the_compiled_step_keeps_a_sliding_window(tmp_path):
-    """A tiny Mistral with an 8-token window, compiled: its window reaches the attention op, token-exact
-    with transformers' eager attention through prompt chunks and decodes past the window."""
-    path = build_tiny_model(str(tmp_path), "mistral", head_dim=8, seed=1, sliding_window=8)
-    llm = LLM(path, enforce_eager=False, block_size=4, max_num_batched_tokens=16)
+@pytest.mark.parametrize("model", ["mistral", "gemma2"])
+def test_the_compiled_step_keeps_a_sliding_window(tmp_path, model):
+    """A tiny Mistral (every layer) and a Gemma 2 (every other layer) with an 8-token window, compiled: each
+    layer's window reaches the attention op, token-exact with transformers' eager attention through prompt
+    chunks and decodes past the window. Gemma 2 also sends its softcap through the op."""
+    if model == "mistral":
+        path = build_tiny_model(str(tmp_path), "mistral", head_dim=8, seed=1, sliding_window=8)
+    else:
+        path = build_tiny_model(str(tmp_path), max_position_embeddings=512, **GEMMA_WINDOWS["gemma2"])
+    llm = LLM(path, enforce_eager=False, dtype="float32", block_size=4, max_num_batched_tokens=16)
     assert llm.engine.model_runner.compiled
     assert run_without_recompiles(llm, WINDOW_PROMPTS, [20] * 4) == hf_greedy_eager(path, WINDOW_PROMPTS, [20] * 4)
 
