@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from test_engine import MAX_TOKENS, PROMPTS, SETUPS
-from test_sliding_window import GEMMA_WINDOWS, hf_greedy_eager
+from test_sliding_window import MIXED_WINDOWS, hf_greedy_eager
 from test_sliding_window import PROMPTS as WINDOW_PROMPTS
 from torch._dynamo.utils import counters
 from torch._inductor import freezing
@@ -57,7 +57,7 @@ def test_the_compiled_step_keeps_a_sliding_window(tmp_path, model):
     if model == "mistral":
         path = build_tiny_model(str(tmp_path), "mistral", head_dim=8, seed=1, sliding_window=8)
     else:
-        path = build_tiny_model(str(tmp_path), max_position_embeddings=512, **GEMMA_WINDOWS["gemma2"])
+        path = build_tiny_model(str(tmp_path), max_position_embeddings=512, **MIXED_WINDOWS["gemma2"])
     llm = LLM(path, enforce_eager=False, dtype="float32", block_size=4, max_num_batched_tokens=16)
     assert llm.engine.model_runner.compiled
     assert run_without_recompiles(llm, WINDOW_PROMPTS, [20] * 4) == hf_greedy_eager(path, WINDOW_PROMPTS, [20] * 4)

@@ -133,22 +133,25 @@ def test_a_model_with_a_global_layer_keeps_every_block(tmp_path):
     assert blocks_window(everywhere) == 16
 
 
-# Gemma 2 and 3 mix windowed layers with full ones, each layer its own (Family.layer_window)
-GEMMA_WINDOWS = {
+# Gemma 2 and 3 (and Qwen2, where told) mix windowed layers with full ones, each layer its own (Family.layer_window)
+MIXED_WINDOWS = {
     "gemma2": dict(family="gemma2", head_dim=32, query_pre_attn_scalar=20, attn_logit_softcapping=1.5,
                    final_logit_softcapping=2.0, sliding_window=WINDOW, num_hidden_layers=2),  # sliding, then full
     "gemma3": dict(family="gemma3", head_dim=32, query_pre_attn_scalar=20, sliding_window=WINDOW, num_hidden_layers=3,
                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # Qwen2 windows the layers from max_window_layers on: full, then sliding
+    "qwen2": dict(family="qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                  num_hidden_layers=2),
 }
 
 
-@pytest.mark.parametrize("name", GEMMA_WINDOWS)
-def test_gemma_windows_per_layer_match_transformers(tmp_path, name):
-    """Gemma 2 and 3 with an 8-token window on some layers only, prompts and outputs several windows long.
+@pytest.mark.parametrize("name", MIXED_WINDOWS)
+def test_windows_per_layer_match_transformers(tmp_path, name):
+    """Gemma 2, Gemma 3 and Qwen2 with an 8-token window on some layers only, prompts and outputs several windows long.
     Chunks of 6 tokens, a prefix-cache hit, and every running request preempted at step 12: token-exact
     with transformers. A global layer reads every key, so no block goes back early (no null entry).
     Catches the window applied to every layer (or to none), and a mixed model returning blocks."""
-    path = build_tiny_model(str(tmp_path), max_position_embeddings=512, **GEMMA_WINDOWS[name])
+    path = build_tiny_model(str(tmp_path), max_position_embeddings=512, **MIXED_WINDOWS[name])
     expected = hf_greedy_eager(path, PROMPTS, MAX_TOKENS)
     engine = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=6).engine
     assert engine.scheduler.block_manager.sliding_window is None
