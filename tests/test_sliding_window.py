@@ -182,3 +182,18 @@ def test_only_a_model_windowed_everywhere_returns_blocks():
     assert blocks_window(MistralConfig(sliding_window=8)) == 8
     assert blocks_window(Gemma2Config(sliding_window=8)) is None
     assert blocks_window(Gemma3TextConfig(sliding_window=8)) is None
+
+
+def test_int8_gemma2_with_a_window_matches_transformers_on_dequantized_weights(tmp_path):
+    """Gemma 2 with an 8-token window, its linears in int8: token-exact with transformers' eager attention on
+    the weights dequantized by hand (test_quantization.py's rule). Catches the quantized model losing its
+    per-layer window or its soft-capping."""
+    from test_quantization import quantize_by_hand, save_dequantized
+    path = build_tiny_model(str(tmp_path / "gemma2"), max_position_embeddings=512, **MIXED_WINDOWS["gemma2"])
+    llm = LLM(path, quantization="int8", dtype="float32", block_size=4, max_num_batched_tokens=6)
+    outputs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)
+    assert not any(isinstance(m, torch.nn.Linear) for m in llm.engine.model_runner.model.modules())
+    # the tied embedding's row 0 (padding) is zero: its scale is 0, and the rule's 0 / 0 is the zero row again
+    dequantized = save_dequantized(path, str(tmp_path / "dequantized"),
+                                   quantize=lambda weight: quantize_by_hand(weight).nan_to_num(0.0))
+    assert [o.token_ids for o in outputs] == hf_greedy_eager(dequantized, PROMPTS, MAX_TOKENS)
