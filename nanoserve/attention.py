@@ -25,11 +25,12 @@ Invariants both backends keep:
 Two backends share one shape:
 - `prepare(batch, block_size, dtype)` runs once per step. It returns what every layer's attention
   shares (its metadata).
-- `forward(q, k, v, kv_cache, layer, metadata)` runs per layer. It gets the whole cache and the layer's
-  index, and takes `kv_cache[0, layer]` and `kv_cache[1, layer]` itself (models/llama.py says why).
+- `forward(q, k, v, kv_cache, layer, metadata, window)` runs per layer. It gets the whole cache and the
+  layer's index, and takes `kv_cache[0, layer]` and `kv_cache[1, layer]` itself (models/llama.py says why).
+  `window` is the layer's sliding window, or None (sliding_window.py).
 
-"flash" calls the flash-attn package's kernels (CUDA). "torch" runs anywhere, in plain PyTorch.
-Its metadata is an `AttentionPlan`: which requests attend together, the blocks each reads, the masks.
+"flash" calls the flash-attn package's kernels (CUDA, flash_backend.py). "torch" runs anywhere, in plain
+PyTorch. Its metadata is an `AttentionPlan`: which requests attend together, the blocks each reads, the masks.
 `plan_attention` builds it from the host-side lengths. Decode rows are sorted by context length and
 attended in groups of ~8. Each group is padded only to its own longest context. A prompt (chunk) is
 attended on its own. Both backends are checked against the plain per-request formulation in
@@ -37,7 +38,6 @@ tests/flash_reference.py.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,7 +48,9 @@ from torch import Tensor
 from nanoserve.batch import Batch
 from nanoserve.config import cdiv
 from nanoserve.device import upload
+from nanoserve.flash_backend import FlashBackend, why_not_flash
 from nanoserve.layers.softcap import attend_softcapped
+from nanoserve.sliding_window import window_bias, window_mask
 from nanoserve.triton_backend import TritonBackend, TritonMetadata, choose_backend
 
 
@@ -152,28 +154,31 @@ def plan_attention(batch: Batch, block_size: int, dtype: torch.dtype) -> Attenti
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan, scale: float,
-                    softcap: float = 0.0) -> Tensor:
+                    softcap: float = 0.0, window: int | None = None) -> Tensor:
     """q `[N, H, D]` -> `[N, H, D]`, attending as `plan` says. Each request's keys and values are
-    copied out of the cache once (whole blocks) and read once by SDPA."""
-    if q.shape[0] == 1 and plan.decode_groups:  # one request decoding (the latency case): its
-        return attend_decode_group(q, k_cache, v_cache, plan.decode_groups[0], scale, softcap)  # the output
+    copied out of the cache once (whole blocks) and read once by SDPA. With a sliding window, each query
+    sees only the last `window` keys."""
+    if q.shape[0] == 1 and plan.decode_groups:  # one request decoding (the latency case): its rows are the output
+        return attend_decode_group(q, k_cache, v_cache, plan.decode_groups[0], scale, softcap, window)
     out = q.new_zeros(q.shape)  # [N, H, D]
     for group in plan.decode_groups:
         q_group = q.index_select(0, group.rows)  # [R, H, D]
-        out.index_copy_(0, group.rows, attend_decode_group(q_group, k_cache, v_cache, group, scale, softcap))
+        out.index_copy_(0, group.rows, attend_decode_group(q_group, k_cache, v_cache, group, scale, softcap, window))
     for r in plan.prefill_requests:
         keys = gather_blocks(k_cache, r.block_table)[:, :r.seqlen_k]  # [1, seqlen_k, Hkv, D]
         values = gather_blocks(v_cache, r.block_table)[:, :r.seqlen_k]
-        out[r.start:r.end] = attend(q[None, r.start:r.end], keys, values, scale, r.mask, r.mask is None, softcap)[0]
+        mask = r.mask if window is None else window_mask(r.end - r.start, r.seqlen_k, window, q.device)
+        out[r.start:r.end] = attend(q[None, r.start:r.end], keys, values, scale, mask, mask is None, softcap)[0]
     return out
 
 
 def attend_decode_group(q_group: Tensor, k_cache: Tensor, v_cache: Tensor, group: DecodeGroup, scale: float,
-                        softcap: float) -> Tensor:
+                        softcap: float, window: int | None) -> Tensor:
     """The group's rows of q `[R, H, D]` -> `[R, H, D]`, one SDPA call over their copied-out blocks."""
     keys = gather_blocks(k_cache, group.block_table)  # [R, num_blocks * block_size, Hkv, D]
     values = gather_blocks(v_cache, group.block_table)
-    queries, bias = q_group[:, None], group.bias  # queries as [R, 1, H, D]
+    bias = group.bias if window is None else window_bias(group.bias, window)
+    queries = q_group[:, None]  # [R, 1, H, D]
     if q_group.device.type == "cpu":  # upcast the copies it reads: in bfloat16 and float16 at one query
         # per request, SDPA took 1.5-7x float32's time there (docs/performance.md, "Where a decode step's time goes")
         queries, keys, values, bias = queries.float(), keys.float(), values.float(), bias.float()
@@ -189,44 +194,12 @@ class TorchBackend:
     def prepare(self, batch: Batch, block_size: int, dtype: torch.dtype) -> AttentionPlan:
         return plan_attention(batch, block_size, dtype)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, plan: AttentionPlan) -> Tensor:
-        """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`."""
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, plan: AttentionPlan,
+                window: int | None = None) -> Tensor:
+        """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`; `window`: the layer's sliding window, if any."""
         k_cache, v_cache = kv_cache[:, layer]  # this layer's [num_blocks, block_size, Hkv, D] each
         store_kvcache(k, v, k_cache, v_cache, plan.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, plan, self.scale, self.softcap)
-
-
-# ----------------------------------------------------------------------------- the flash backend
-
-class FlashBackend:
-    """flash-attn's kernels (CUDA, fp16/bf16, block_size a multiple of 256). They read the `Batch`'s
-    own arrays, so the step's metadata is the Batch itself."""
-
-    def __init__(self, scale: float, softcap: float = 0.0) -> None:
-        # imported only when chosen: it exists only on CUDA machines
-        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-        self.scale, self.softcap = scale, softcap
-        self.varlen_func, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
-
-    def prepare(self, batch: Batch, block_size: int, dtype: torch.dtype) -> Batch:
-        return batch
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, batch: Batch) -> Tensor:
-        """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`. `slot_mapping` goes to store_kvcache only:
-        flash-attn finds every key, new ones included, through `block_tables`."""
-        k_cache, v_cache = kv_cache[:, layer]  # this layer's [num_blocks, block_size, Hkv, D] each
-        store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
-        if batch.is_decode_only:  # N == B: one query per request, all keys already in the cache
-            # request b's query attends to its first seq_lens[b] cached tokens, in blocks block_tables[b]
-            return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache,  # q as [B, 1, H, D]
-                                     cache_seqlens=batch.seq_lens, block_table=batch.block_tables,
-                                     softmax_scale=self.scale, causal=True,
-                                     softcap=self.softcap).squeeze(1)  # [N, H, D]
-        # request b's queries are rows query_start_loc[b]:query_start_loc[b + 1] of q; its keys, the
-        # first cu_seqlens_k[b + 1] - cu_seqlens_k[b] (= seq_lens[b]) tokens in blocks block_tables[b]
-        return self.varlen_func(q, k_cache, v_cache, batch.query_start_loc, batch.cu_seqlens_k,
-                                batch.max_query_len, batch.max_seq_len, softmax_scale=self.scale,
-                                causal=True, block_table=batch.block_tables, softcap=self.softcap)
+        return paged_attention(q, k_cache, v_cache, plan, self.scale, self.softcap, window)
 
 
 AttentionBackend = TorchBackend | FlashBackend | TritonBackend  # triton: our own kernel, triton_backend.py
@@ -255,31 +228,3 @@ def select_attention(name: str, block_size: int | str, device: torch.device, dty
         raise ValueError(f"the flash attention backend cannot run here: {why_not}")
     # flash where it runs; else the triton kernel on CUDA, the torch backend elsewhere (triton_backend.py)
     return choose_backend(name, device, dtype, flash_runs=why_not is None), block_size
-
-
-def why_not_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why flash-attn 2 cannot serve here, or None where it can. It needs all of these:
-    - An NVIDIA GPU of compute capability 8.0 to 9.x. Its wheels hold kernels for sm80 and sm90;
-      10.x and up need a build for them.
-    - fp16 or bf16.
-    - head_dim a multiple of 8, up to 256. Any other it pads, copying the whole cache every call.
-    - flash-attn 2.5.7 or later, whose flash_attn_varlen_func reads a paged cache (block_table).
-
-    flash-attn 3 and 4 are other packages with other functions. An install of flash-attn 4 alone leaves
-    an empty `flash_attn` namespace: its import succeeds, but it holds neither function."""
-    if torch.device(device).type != "cuda" or torch.version.hip:  # ROCm answers to "cuda" too, numbered its own way
-        return f"flash-attn 2 needs an NVIDIA GPU (CUDA, not ROCm), got device {device}"
-    capability = torch.cuda.get_device_capability(device)
-    if not (8, 0) <= capability < (10, 0):
-        return f"flash-attn 2 runs on compute capability 8.0 to 9.x, this GPU has {capability[0]}.{capability[1]}"
-    if dtype not in (torch.float16, torch.bfloat16):
-        return f"flash-attn needs dtype float16 or bfloat16, got {dtype}"
-    if head_dim % 8 or head_dim > 256:
-        return f"flash-attn needs head_dim a multiple of 8, at most 256; the model's is {head_dim}"
-    try:
-        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: F401
-    except Exception as error:  # absent, flash-attn 3 or 4 only, or built for another torch
-        return f"flash-attn 2 is not importable ({type(error).__name__}: {error})"
-    if "block_table" not in inspect.signature(flash_attn_varlen_func).parameters:
-        return "flash-attn is older than 2.5.7: its flash_attn_varlen_func takes no block_table"
-    return None

@@ -30,6 +30,10 @@ Invariants:
   It uncaches them.
 - Shared blocks are full, hence read-only once the step that fills them ran. A request only ever writes
   into its own last blocks.
+- Sliding window (where every layer has one): a block every query to come has slid past is returned
+  while its request runs (`free_passed_blocks`). Its entry in the block table becomes the null block 0.
+  It stays cached until evicted, so a cached block may outlive its parent. A lookup stops at the
+  missing parent.
 `assert_invariants` and `assert_writable` check all of this (tests call them after every step).
 """
 from __future__ import annotations
@@ -60,9 +64,11 @@ def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
 class BlockManager:
     """Hands out, shares, frees and caches the KV blocks of every request."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # every layer's, if every layer has one: see free_passed_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         # An OrderedDict as a queue that can also drop a block from its middle (a cache hit).
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
@@ -136,13 +142,30 @@ class BlockManager:
         ran (it raised) holds no KV, so it leaves the cache."""
         while len(seq.block_table) > cdiv(num_tokens, self.block_size):
             block = self.blocks[seq.block_table.pop()]
+            if block.block_id == 0:  # returned already: its sliding window had passed it (free_passed_blocks)
+                continue
             # the block just popped holds slots [len(block_table) * block_size, (len(block_table) + 1) * block_size)
             if (len(seq.block_table) + 1) * self.block_size > seq.num_computed_tokens:  # not all computed
                 self.evict(block)
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_queue[block.block_id] = None
+            self.release(block)
         del seq.block_hashes[len(seq.block_table):]
+
+    def free_passed_blocks(self, seq: Sequence) -> None:
+        """Return the blocks every layer's sliding window has passed, while seq runs: its next query, at
+        position num_computed_tokens, sees keys from num_computed_tokens - sliding_window + 1 on.
+        Each passed block becomes the null block 0 in the table (later blocks keep their index) and stays
+        cached until evicted. Last first: the queue then evicts a block before the prefix it extends."""
+        i = (seq.num_computed_tokens - self.sliding_window + 1) // self.block_size - 1  # the last one wholly before it
+        while i >= 0 and seq.block_table[i] != 0:  # the ones before a 0 were returned by an earlier step
+            self.release(self.blocks[seq.block_table[i]])
+            seq.block_table[i] = 0
+            i -= 1
+
+    def release(self, block: Block) -> None:
+        """One block table lets go of `block`: the last one returns it to the free queue."""
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            self.free_queue[block.block_id] = None
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register in the prefix cache seq's blocks that are full once its first `num_tokens` are
@@ -175,10 +198,12 @@ class BlockManager:
         computed.update((seq, seq.num_computed_tokens + num_new) for seq, num_new in scheduled)
         holders: dict[int, list[tuple[Sequence, int]]] = {}  # block_id -> [(seq, index in its block table)]
         for seq in seqs:
-            assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} holds a block twice"
+            held = [block_id for block_id in seq.block_table if block_id != 0]  # 0: passed by a sliding window
+            assert len(set(held)) == len(held), f"{seq} holds a block twice"
             assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, f"{seq} has KV without blocks"
             for i, block_id in enumerate(seq.block_table):
-                holders.setdefault(block_id, []).append((seq, i))
+                if block_id != 0:
+                    holders.setdefault(block_id, []).append((seq, i))
         assert 0 not in holders and 0 not in self.free_queue, "the null block 0 was handed out or freed"
         assert self.num_free_blocks + len(holders) == len(self.blocks) - 1, \
             f"{self.num_free_blocks} free + {len(holders)} used blocks != {len(self.blocks) - 1} usable blocks"
@@ -195,7 +220,8 @@ class BlockManager:
         for block_hash, block_id in self.cached_blocks.items():
             block = self.blocks[block_id]
             assert block.hash == block_hash, f"the prefix cache maps {block_hash.hex()} to block {block_id}"
-            assert block.parent is None or self.blocks[block.parent].hash is not None, \
+            # (a sliding window returns a parent before its children: a lookup then stops at the parent)
+            assert block.parent is None or self.blocks[block.parent].hash is not None or self.sliding_window, \
                 f"cached block {block_id} outlived its parent block {block.parent}"
 
     def assert_writable(self, scheduled: list[ScheduledSeq]) -> None:

@@ -30,6 +30,7 @@ from nanoserve.sampling_params import InvalidRequest, SamplingParams, require, u
 from nanoserve.scheduler import Scheduler
 from nanoserve.seams import Seams
 from nanoserve.sequence import Sequence
+from nanoserve.sliding_window import blocks_window
 from nanoserve.tokenizer import load_tokenizer, tokenize
 
 
@@ -48,7 +49,7 @@ class LLMEngine:
         checkpoint = read_checkpoint(config.model)  # config.json, read once: the runner gets it too
         hf_config = checkpoint.config
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
-        check_max_model_len(hf_config, checkpoint.family, self.max_model_len)  # positions, any sliding window
+        check_max_model_len(hf_config, self.max_model_len)
         # A block longer than the longest request wastes most of its slots; 256 (flash-attn's page) always fits.
         if config.block_size != "auto" and config.block_size > max(self.max_model_len, 256):
             raise ValueError(f"block_size={config.block_size} is larger than max_model_len={self.max_model_len} "
@@ -67,7 +68,7 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(config.model)
             eos_token_ids = self.model_runner.eos_token_ids  # read once, by the runner (min_tokens bans them)
             self.scheduler = Scheduler(config, num_blocks, self.block_size, self.max_model_len, eos_token_ids,
-                                       seams.drafter)
+                                       seams.drafter, blocks_window(hf_config))
             self.grammars = seams.grammars and seams.grammars(self.tokenizer, self.vocab_size, eos_token_ids)
             self.requests: dict[str, Sequence] = {}  # unfinished requests by id
             self.aborted: list[RequestOutput] = []   # aborted or failed since the last step: the next reports them

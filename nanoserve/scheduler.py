@@ -74,12 +74,12 @@ class Scheduler:
     """Owns the queues (`waiting`, `running`) and the block manager; plans each step."""
 
     def __init__(self, config: Config, num_blocks: int, block_size: int, max_model_len: int,
-                 eos_token_ids: set[int], drafter: Drafter | None = None) -> None:
+                 eos_token_ids: set[int], drafter: Drafter | None = None, sliding_window: int | None = None) -> None:
         self.config = config
         self.static = config.scheduling == "static"  # static batching, the baseline (see the module docstring)
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching, sliding_window)
         # The queues are OrderedDicts used as ordered sets: a request leaves from anywhere in O(1), by its
         # hash. An abort storm (a client with a large fan-out leaves) removes each of its requests in turn:
         # a deque or list would scan for every one, quadratic in the queue's length.
@@ -125,6 +125,8 @@ class Scheduler:
         for seq in list(self.running):  # a copy: preempting removes the newest from self.running
             if budget == 0:
                 break
+            if self.block_manager.sliding_window:  # blocks no query to come reads go back first
+                self.block_manager.free_passed_blocks(seq)
             # Make room: preempt the newest running requests until seq can write at least one more
             # token. Stop if seq itself was preempted: it was the newest left, so no one after it runs.
             while self.block_manager.num_free_slots(seq) == 0 and seq not in preempted:

@@ -36,10 +36,10 @@ class TritonMetadata:
 @torch.library.custom_op("nanoserve::triton_attention", mutates_args=("kv_cache",))
 def triton_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, slot_mapping: Tensor,
                      query_start_loc: Tensor, seq_lens: Tensor, block_tables: Tensor, scale: float,
-                     softcap: float) -> Tensor:
+                     softcap: float, window: int | None) -> Tensor:
     """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`.
     The step's k, v are written into their slots of layer `layer` first. So each query finds its own
-    token's key through the block table, like any other."""
+    token's key through the block table, like any other. `window` is the layer's sliding window, or None."""
     k_cache, v_cache = kv_cache[:, layer]  # views taken inside the op: it declares the whole cache mutated
     # imported only when run: triton reads TRITON_INTERPRET as the kernel is defined
     from nanoserve.kernels.triton_attention import paged_attention
@@ -47,7 +47,7 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: i
     # token i's k, v into row slot_mapping[i] of the caches viewed as [num_blocks * block_size, Hkv, D]
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
-    return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, softcap)
+    return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, softcap, window)
 
 
 @triton_attention.register_fake
@@ -68,11 +68,12 @@ class TritonBackend:
         return TritonMetadata(batch.slot_mapping, batch.query_start_loc, batch.seq_lens, batch.block_tables)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int,
-                metadata: TritonMetadata) -> Tensor:
-        """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`, in one custom op (triton_attention)."""
+                metadata: TritonMetadata, window: int | None = None) -> Tensor:
+        """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`, in one custom op (triton_attention).
+        `window` is the layer's sliding window, or None."""
         return torch.ops.nanoserve.triton_attention(q, k, v, kv_cache, layer, metadata.slot_mapping,
                                                     metadata.query_start_loc, metadata.seq_lens,
-                                                    metadata.block_tables, self.scale, self.softcap)
+                                                    metadata.block_tables, self.scale, self.softcap, window)
 
 
 def interpreting() -> bool:

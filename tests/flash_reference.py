@@ -11,6 +11,9 @@ Then it computes the answer the plain way, one request at a time:
     `[num_blocks, page_block_size, num_heads_k, head_dim]` sits in block `block_table[b, p // page]`
     at offset `p % page`;
   * causal masks are aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q;
+  * window_size=(left, right) (flash_api.cpp, csrc/flash_attn/src/mask.h): query i, at key position
+    p = i + seqlen_k - seqlen_q, sees key j iff p - left <= j <= p + right, a side of -1 unbounded; causal
+    sets right to 0, so a window of w keys, the query's own included, is (w - 1, 0);
   * query head h reads key/value head h // (num_heads // num_heads_k) (grouped-query attention);
   * a query that sees no key gets output 0 and softmax_lse +inf, as flash-attn returns.
 
@@ -61,7 +64,7 @@ class FlashReference:
         """q `[total_q, H, D]`; k, v `[total_k, Hkv, D]` packed, or paged caches when block_table is given.
         Returns out `[total_q, H, D]`, or (out, softmax_lse `[H, total_q]`, S_dmask) with return_attn_probs."""
         unsupported("dropout_p", dropout_p, 0.0)
-        unsupported("window_size", tuple(window_size), (-1, -1))
+        window = check_window(window_size)
         unsupported("alibi_slopes", alibi_slopes, None)
         paged = block_table is not None
         self.check_dtypes(q, k, v)
@@ -100,7 +103,7 @@ class FlashReference:
         lse = torch.full((num_heads, total_q), float("inf"), dtype=torch.float32, device=q.device)
         for b, (start, n) in enumerate(zip(q_starts, q_lens)):
             rows = slice(start, start + n)
-            out[rows], lse[:, rows] = attend(q[rows], keys[b], values[b], causal, scale, softcap)
+            out[rows], lse[:, rows] = attend(q[rows], keys[b], values[b], causal, scale, softcap, window)
         if return_attn_probs:  # S_dmask is only filled with dropout, which is refused above
             return out, lse, torch.empty(0, dtype=q.dtype, device=q.device)
         return out
@@ -120,9 +123,9 @@ class FlashReference:
               "We don't support Paged KV and leftpad_k running at the same time yet")
         for name, value, default in (("rotary_cos", rotary_cos, None), ("rotary_sin", rotary_sin, None),
                                      ("cache_batch_idx", cache_batch_idx, None), ("cache_leftpad", cache_leftpad, None),
-                                     ("window_size", tuple(window_size), (-1, -1)),
                                      ("alibi_slopes", alibi_slopes, None)):
             unsupported(name, value, default)
+        window = check_window(window_size)
         check(isinstance(num_splits, int) and num_splits <= 128, f"num_splits > 128 not supported, got {num_splits!r}")
         self.check_dtypes(q, k_cache, v_cache)
         check(q.dim() == 4, f"q must be [batch_size, seqlen_q, num_heads, head_dim], got shape {tuple(q.shape)}")
@@ -156,7 +159,7 @@ class FlashReference:
         lse = torch.full((batch_size, num_heads, seqlen_q), float("inf"), dtype=torch.float32, device=q.device)
         for b, n in enumerate(k_lens):
             keys, values = gather_paged(k_cache, table[b], n), gather_paged(v_cache, table[b], n)
-            out[b], lse[b] = attend(q[b], keys, values, causal, scale, softcap)
+            out[b], lse[b] = attend(q[b], keys, values, causal, scale, softcap, window)
         return (out, lse) if return_softmax_lse else out
 
     # ------------------------------------------------------------------ checks shared by both
@@ -271,8 +274,16 @@ def append_new_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, table:
         v_cache[blocks, positions % page] = v[b]
 
 
-def attend(q: Tensor, keys: Tensor, values: Tensor, causal: bool, scale: float,
-           softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+def check_window(window_size: object) -> tuple[int, int]:
+    """flash-attn's window_size as (left, right): two ints, each -1 (unbounded) or >= 0."""
+    check(isinstance(window_size, (tuple, list)) and len(window_size) == 2
+          and all(isinstance(side, int) and side >= -1 for side in window_size),
+          f"window_size must be two ints, each -1 or >= 0, got {window_size!r}")
+    return tuple(window_size)
+
+
+def attend(q: Tensor, keys: Tensor, values: Tensor, causal: bool, scale: float, softcap: float = 0.0,
+           window: tuple[int, int] = (-1, -1)) -> tuple[Tensor, Tensor]:
     """One request, computed in float32 like flash-attn's accumulators: q `[Sq, H, D]`, keys, values
     `[Sk, Hkv, D]` -> out `[Sq, H, D]` in q's dtype, softmax_lse `[H, Sq]` (+inf where no key is seen).
     A nonzero softcap caps the scores as flash-attn does: tanh(scores / softcap) * softcap, before the mask."""
@@ -285,8 +296,14 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, causal: bool, scale: float,
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     key_pos = torch.arange(seqlen_k, device=q.device)
-    query_pos = torch.arange(seqlen_q, device=q.device)[:, None]
-    seen = key_pos <= query_pos + seqlen_k - seqlen_q if causal else torch.ones_like(key_pos <= query_pos)  # [Sq, Sk]
+    # [Sq, 1]: each query's own key position (bottom-right alignment)
+    query_pos = torch.arange(seqlen_q, device=q.device)[:, None] + seqlen_k - seqlen_q
+    left, right = window[0], 0 if causal else window[1]
+    seen = torch.ones_like(key_pos <= query_pos)  # [Sq, Sk]
+    if right >= 0:
+        seen &= key_pos <= query_pos + right
+    if left >= 0:
+        seen &= key_pos >= query_pos - left
     scores = scores.masked_fill(~seen, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, Sq]: -inf for a query that sees nothing
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # such a row is all NaN: make it 0

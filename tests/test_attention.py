@@ -193,7 +193,7 @@ def test_reference_rejects_unsupported_options():
     q, k = torch.randn(2, H, D), torch.randn(2, HKV, D)
     cu = cumsum0([2])
     with pytest.raises(NotImplementedError):
-        flash_attn_varlen_func(q, k, k, cu, cu, 2, 2, window_size=(4, 0))
+        flash_attn_varlen_func(q, k, k, cu, cu, 2, 2, dropout_p=0.1)
     flash_attn_varlen_func(q, k, k, cu, cu, 2, 2, window_size=[-1, -1])  # the default, as a list
 
 

@@ -9,10 +9,12 @@ import random
 import pytest
 import torch
 from test_engine import MAX_TOKENS, PROMPTS, SETUPS
+from test_sliding_window import MIXED_WINDOWS, hf_greedy_eager
+from test_sliding_window import PROMPTS as WINDOW_PROMPTS
 from torch._dynamo.utils import counters
 from torch._inductor import freezing
 
-from conftest import greedy, reference
+from conftest import build_tiny_model, greedy, reference
 from nanoserve import LLM, SamplingParams
 from nanoserve.attention import plan_attention
 from nanoserve.batch import build_batch
@@ -45,6 +47,20 @@ def test_compiled_step_matches_transformers(tiny_models, model, setup):
                                                                                       PROMPTS, MAX_TOKENS)
     if setup == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("model", ["mistral", "gemma2"])
+def test_the_compiled_step_keeps_a_sliding_window(tmp_path, model):
+    """A tiny Mistral (every layer) and a Gemma 2 (every other layer) with an 8-token window, compiled: each
+    layer's window reaches the attention op, token-exact with transformers' eager attention through prompt
+    chunks and decodes past the window. Gemma 2 also sends its softcap through the op."""
+    if model == "mistral":
+        path = build_tiny_model(str(tmp_path), "mistral", head_dim=8, seed=1, sliding_window=8)
+    else:
+        path = build_tiny_model(str(tmp_path), max_position_embeddings=512, **MIXED_WINDOWS["gemma2"])
+    llm = LLM(path, enforce_eager=False, dtype="float32", block_size=4, max_num_batched_tokens=16)
+    assert llm.engine.model_runner.compiled
+    assert run_without_recompiles(llm, WINDOW_PROMPTS, [20] * 4) == hf_greedy_eager(path, WINDOW_PROMPTS, [20] * 4)
 
 
 def test_a_long_mixed_run_never_recompiles(tiny_models):
@@ -200,4 +216,6 @@ def test_the_torch_attention_op_passes_opcheck():
     q, k, v = torch.randn(num_tokens, 4, 8), torch.randn(num_tokens, 2, 8), torch.randn(num_tokens, 2, 8)
     kv_cache = torch.randn(2, 3, num_blocks, 4, 2, 8)  # [2, layers, blocks, block_size, Hkv, D]
     plan = compilation.flatten_plan(plan_attention(batch, 4, torch.float32), torch.float32)
-    torch.library.opcheck(torch.ops.nanoserve.paged_attention.default, (q, k, v, kv_cache, 1, list(plan), 0.3, 0.0))
+    for softcap, window in ((0.0, None), (1.5, 3)):  # a plain layer, and one capped (Gemma 2) with a sliding window
+        torch.library.opcheck(torch.ops.nanoserve.paged_attention.default,
+                              (q, k, v, kv_cache, 1, list(plan), 0.3, softcap, window))

@@ -36,14 +36,17 @@ KVCACHE_SIGNATURE = [("q", None), ("k_cache", None), ("v_cache", None), ("k", No
 REQUESTS = [(1, 300), (5, 5), (40, 300), (7, 3), (1, 1), (2, 0)]
 
 
-def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+          window: int | None = None) -> torch.Tensor:
     """One request in float64, loop by loop: q [Sq, H, D], k, v [Sk, Hkv, D] -> [Sq, H, D]. Query i sits
-    at absolute position Sk - Sq + i (the chunk is the end of the sequence) and sees keys at or before it."""
+    at absolute position Sk - Sq + i (the chunk is the end of the sequence) and sees keys at or before it,
+    and with a `window` only the last `window` of them, its own included."""
     seqlen_q, seqlen_k = q.shape[0], k.shape[0]
     out = torch.zeros(q.shape, dtype=torch.float64)
     for i in range(seqlen_q):
         position = seqlen_k - seqlen_q + i
-        visible = [j for j in range(seqlen_k) if not causal or j <= position]
+        visible = [j for j in range(seqlen_k) if (not causal or j <= position)
+                   and (window is None or j > position - window)]
         for h in range(q.shape[1]):
             if not visible:
                 continue  # flash-attn's answer for a query that sees nothing: 0
@@ -272,8 +275,7 @@ def test_head_rules_refused(head_dim, heads, match):
                                                 block_table=torch.tensor([[1]], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("option, value", [("dropout_p", 0.1), ("window_size", (16, 0)),
-                                           ("alibi_slopes", torch.zeros(H))])
+@pytest.mark.parametrize("option, value", [("dropout_p", 0.1), ("alibi_slopes", torch.zeros(H))])
 def test_varlen_unsupported_options_raise(option, value):
     with pytest.raises(NotImplementedError, match=option):
         varlen(FlashReference(), scenario(torch.bfloat16), **{option: value})
@@ -306,8 +308,7 @@ def test_with_kvcache_refuses(case):
         FlashReference().flash_attn_with_kvcache(**args)
 
 
-@pytest.mark.parametrize("option, value", [("rotary_cos", torch.zeros(8, 8)), ("cache_leftpad", None),
-                                           ("window_size", (8, 0))])
+@pytest.mark.parametrize("option, value", [("rotary_cos", torch.zeros(8, 8)), ("cache_leftpad", None)])
 def test_with_kvcache_unsupported_options_raise(option, value):
     args = decode_args(scenario(torch.bfloat16, requests=[(1, 300)]), [0])
     if option == "cache_leftpad":  # with a paged cache flash-attn itself refuses it
@@ -342,3 +343,17 @@ def test_fake_module_carries_version_and_functions():
     ref = FlashReference(page_multiple=4, allow_float32=True)
     module = fake_flash_attn_module(ref, version="2.5.7")
     assert module.__version__ == "2.5.7" and module.flash_attn_varlen_func.__self__ is ref
+
+
+@pytest.mark.parametrize("window", [1, 4, 17])
+def test_window_size_keeps_the_last_keys(window):
+    """window_size=(w - 1, 0) with causal: each query sees its own key and the w - 1 before it, in both
+    entry points, as the loop-by-loop `naive` counts them. Catches a window one key too wide or too narrow."""
+    s = scenario(torch.float32)
+    ref = FlashReference(allow_float32=True)
+    want = torch.cat([naive(q, k, v, True, D ** -0.5, window) for q, k, v in zip(s["qs"], s["ks"], s["vs"])])
+    torch.testing.assert_close(varlen(ref, s, window_size=(window - 1, 0)), want.float(), atol=1e-5, rtol=1e-5)
+    rows = [b for b, (sq, sk) in enumerate(REQUESTS) if sq == 1]
+    got = ref.flash_attn_with_kvcache(**decode_args(s, rows), window_size=(window - 1, 0))[:, 0]
+    torch.testing.assert_close(got, torch.cat([want[s["cu_q"][b]:s["cu_q"][b] + 1] for b in rows]).float(),
+                               atol=1e-5, rtol=1e-5)

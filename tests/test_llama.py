@@ -24,8 +24,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, GPT2Config, MistralConfig, PreTrainedModel, Qwen2Config, Qwen3Config
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from conftest import FAMILIES, build_tiny_model, save_tiny_model
-from nanoserve import LLM, device
+from conftest import FAMILIES, save_tiny_model
+from nanoserve import device
 from nanoserve.batch import Batch
 from nanoserve.device import resolve_dtype
 from nanoserve.layers import linear
@@ -286,19 +286,6 @@ def test_an_unsupported_architecture_names_the_supported_ones(tmp_path: Path) ->
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as error:
         load(tmp_path)
     assert all(name in str(error.value) for name in MODELS)  # Llama, Mistral, Qwen2, Qwen3
-
-
-def test_a_sliding_window_shorter_than_max_model_len_is_refused(tmp_path: Path) -> None:
-    """Attention here always sees the whole context: a Mistral whose window is shorter than the context
-    asked for would differ from transformers' past the window. Refused at LLM(), naming both numbers;
-    a max_model_len within the window runs (as does the tiny Mistral of test_engine.py, whose default 4096
-    window covers its 256 positions). Catches a window silently ignored, or refused whatever max_model_len."""
-    build_tiny_model(str(tmp_path), "mistral", sliding_window=32)
-    with pytest.raises(ValueError, match="sliding_window=32 is smaller than max_model_len=64"):
-        LLM(str(tmp_path), max_model_len=64)
-    with pytest.raises(ValueError, match="sliding_window=32 is smaller than max_model_len=256"):
-        LLM(str(tmp_path))  # max_model_len defaults to max_position_embeddings
-    assert LLM(str(tmp_path), max_model_len=32, block_size=4).engine.max_model_len == 32
 
 
 @pytest.mark.parametrize("family, row, tensor", [

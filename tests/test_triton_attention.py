@@ -76,16 +76,18 @@ def paged_cache(seq_lens: list[int], block_size: int, num_kv_heads: int, head_di
 
 def check_against_reference(kernels, q_lens: list[int], k_lens: list[int], block_size: int, dtype: torch.dtype,
                             num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
-                            seed: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """One paged_attention call for the whole batch, compared with the reference; returns the output."""
+                            seed: int = 0, softcap: float = 0.0, window: int | None = None) -> torch.Tensor:
+    """One paged_attention call for the whole batch, compared with the reference; returns the output.
+    A sliding `window` of w keys is flash-attn's window_size=(w - 1, 0)."""
     torch.manual_seed(seed)
     k_cache, v_cache, block_tables = paged_cache(k_lens, block_size, num_kv_heads, head_dim, dtype, seed)
     q = torch.randn(sum(q_lens), num_heads, head_dim).to(dtype)
     query_start_loc, seq_lens = cumsum0(q_lens), torch.tensor(k_lens, dtype=torch.int32)
-    out = kernels.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 0.3, softcap)
+    out = kernels.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 0.3, softcap, window)
+    window_size = (-1, -1) if window is None else (window - 1, 0)
     expected = REFERENCE.flash_attn_varlen_func(q, k_cache, v_cache, query_start_loc, cumsum0(k_lens), max(q_lens),
-                                                max(k_lens), softmax_scale=0.3, causal=True, block_table=block_tables,
-                                                softcap=softcap)
+                                                max(k_lens), softmax_scale=0.3, causal=True, window_size=window_size,
+                                                block_table=block_tables, softcap=softcap)
     torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
     return out
 
@@ -114,6 +116,17 @@ def test_softcapped_scores(kernels):
     are unit normals over 16 dims, times 0.3). Catches the cap dropped, applied after the mask (a masked
     key's -inf would become -0.8 and be seen) or applied before the scale."""
     check_against_reference(kernels, [20, 5, 1, 1], [20, 40, 33, 7], 16, torch.float32, seed=9, softcap=0.8)
+
+
+@interpreted
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_sliding_window(kernels, window: int):
+    """Each query sees only its last `window` keys: prompts and chunks longer than the window, decodes far
+    past it, a window wider than some contexts. Catches a window off by one key, a tile starting its keys
+    after its first query's window begins, or a window ignored."""
+    q_lens = [70, 9, 1, 1, 1, 6]
+    k_lens = [70, 46, 33, 1, 64, 4]
+    check_against_reference(kernels, q_lens, k_lens, 16, torch.float32, seed=window, window=window)
 
 
 @interpreted
@@ -186,7 +199,7 @@ def test_the_custom_op_passes_opcheck(kernels):
     slot_mapping = (block_tables[[0, 0, 0, 0, 1], [1, 1, 1, 1, 0]].long() * 16 + torch.tensor([16, 17, 18, 19, 2]) % 16)
     kv_cache = torch.stack([k_cache, v_cache])[:, None]  # one layer's: [2, 1, num_blocks, block_size, Hkv, D]
     args = (q, k, v, kv_cache, 0, slot_mapping, cumsum0([4, 1]), torch.tensor([20, 3], dtype=torch.int32),
-            block_tables, 0.3, 1.5)  # softcap 1.5: Gemma 2's capped scores
+            block_tables, 0.3, 1.5, 8)  # softcap 1.5: Gemma 2's capped scores; an 8-key sliding window
     torch.library.opcheck(torch.ops.nanoserve.triton_attention.default, args)
 
 
@@ -226,6 +239,20 @@ def test_gemma2_engine_matches_transformers(tmp_path):
     outputs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)
     expected = conftest.hf_greedy(path, PROMPTS, MAX_TOKENS, attn_implementation="eager")
     assert [o.token_ids for o in outputs] == expected
+
+
+@interpreted
+def test_engine_with_a_sliding_window_matches_transformers(tmp_path):
+    """A tiny Mistral with an 8-token window, prompts and outputs several windows long, in 16-token steps
+    (prompts in chunks beside decodes): token-exact with transformers' eager attention. Catches the
+    backend dropping the layer's window on its way to the kernel."""
+    from test_sliding_window import hf_greedy_eager
+    path = conftest.build_tiny_model(str(tmp_path), "mistral", head_dim=8, seed=1, sliding_window=8)
+    prompts, max_tokens = ENGINE_PROMPTS[:3], [24, 30, 10]
+    llm = LLM(path, attention_backend="triton", device="cpu", dtype="float32", block_size=16,
+              max_num_batched_tokens=16)
+    outputs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
+    assert [o.token_ids for o in outputs] == hf_greedy_eager(path, prompts, max_tokens)
 
 
 @interpreted

@@ -139,8 +139,8 @@ def attention_as_op(backend: object) -> None:
     if isinstance(backend, TorchBackend):
         plan = backend.prepare
         backend.prepare = lambda batch, block_size, dtype: flatten_plan(plan(batch, block_size, dtype), dtype)
-        backend.forward = lambda q, k, v, kv_cache, layer, tensors: torch.ops.nanoserve.paged_attention(
-            q, k, v, kv_cache, layer, list(tensors), backend.scale, backend.softcap)
+        backend.forward = lambda q, k, v, kv_cache, layer, tensors, window=None: torch.ops.nanoserve.paged_attention(
+            q, k, v, kv_cache, layer, list(tensors), backend.scale, backend.softcap, window)
     elif isinstance(backend, FlashBackend):
         backend.forward = torch.compiler.disable(backend.forward)
 
@@ -231,8 +231,9 @@ LIBRARY.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cach
 
 @torch.library.impl(LIBRARY, "paged_attention", "CompositeExplicitAutograd")
 def paged_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, tensors: list[Tensor],
-                       scale: float, softcap: float) -> Tensor:
-    """The torch backend's attention for layer `layer` (attention.py), as one op.
+                       scale: float, softcap: float, window: int | None) -> Tensor:
+    """The torch backend's attention for layer `layer` (attention.py), as one op. `window` is the layer's
+    sliding window, or None.
 
     q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`. Its plan is read back from `flatten_plan`'s `tensors`.
     They are one list argument, not seven. Each call of a mutating @custom_op cost torch ~(arguments)^2
@@ -240,7 +241,7 @@ def paged_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer:
     k_cache, v_cache = kv_cache[:, layer]  # views taken inside the op: it declares the whole cache mutated
     plan = unflatten_plan(*tensors, k_cache.shape[1])
     store_kvcache(k, v, k_cache, v_cache, plan.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, plan, scale, softcap).contiguous()
+    return paged_attention(q, k_cache, v_cache, plan, scale, softcap, window).contiguous()
 
 
 @torch.library.register_fake("nanoserve::paged_attention")

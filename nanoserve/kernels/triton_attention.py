@@ -24,6 +24,8 @@ a new tile, so a tile never mixes two requests. One program owns one (query tile
 
 Causal masks are aligned bottom-right. The request's queries are its last `query_len` tokens.
 So query i (0 = its first) sees key j iff j <= i + seq_len - query_len.
+With a sliding window of w keys, it also needs j > i + seq_len - query_len - w. A tile then starts
+at its first query's first key. It never reads a block the window has passed.
 
 Writing the step's k and v into the cache is not a kernel of this module. The backend's op stores them
 as attention.store_kvcache does: two index_copy_ calls, which CUDA graphs capture and which run on any device.
@@ -64,6 +66,7 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                            query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, num_requests, scale, softcap,
                            q_token_stride, q_head_stride, out_token_stride, out_head_stride,
                            cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride, block_size,
+                           window, WINDOWED: tl.constexpr,
                            GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
                            DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
@@ -71,7 +74,8 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     its block table. Each query comes with the GROUP query heads that read this KV head.
     GROUP_P is GROUP rounded up to a power of two. A tile holds BLOCK_M // GROUP_P queries.
     With SOFTCAP (Gemma 2) the scores become tanh(scores / softcap) * softcap before the mask.
-    tanh is written with exp, since triton has no tanh of its own."""
+    tanh is written with exp, since triton has no tanh of its own.
+    With WINDOWED each query sees only its last `window` keys, its own included (a sliding window)."""
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     b = find_request(query_start_loc_ptr, num_requests, tile, BLOCK_Q)
@@ -101,7 +105,10 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     # the keys the tile's last query sees (seq_len where that is the request's last): no program reads past them
     num_keys = context_len + tl.minimum(first + BLOCK_Q, q_end) - q_start
     table = block_tables_ptr + b * block_table_stride
-    for key_start in range(0, num_keys, TILE_N):
+    lowest_key = 0  # the first key any row of the tile sees: with a window, its first query's window start
+    if WINDOWED:
+        lowest_key = tl.maximum(context_len + first - q_start - window + 1, 0)
+    for key_start in range(lowest_key, num_keys, TILE_N):
         keys = key_start + tl.arange(0, TILE_N)  # [TILE_N] positions in the request
         key_ok = keys < num_keys
         block = tl.load(table + keys // block_size, mask=key_ok, other=0).to(tl.int64)  # [TILE_N]
@@ -114,6 +121,8 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         if SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1), which is +-1, not NaN, where exp(2x) overflows
             scores = (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0)) * softcap
         seen = key_ok & (keys <= last_key[:, None])  # [BLOCK_M, TILE_N]
+        if WINDOWED:
+            seen = seen & (keys > last_key[:, None] - window)
         scores = tl.where(seen, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))  # [BLOCK_M]
         # a row that has seen no key yet keeps its max at -inf: subtract 0 instead, so exp gives 0, never NaN
@@ -129,11 +138,12 @@ def paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
-                    block_tables: Tensor, scale: float, softcap: float = 0.0) -> Tensor:
+                    block_tables: Tensor, scale: float, softcap: float = 0.0, window: int | None = None) -> Tensor:
     """q `[N, H, D]` -> `[N, H, D]`. Request b's queries are rows query_start_loc[b]:query_start_loc[b + 1].
     They attend to its first seq_lens[b] keys, in blocks block_tables[b] of the caches. A nonzero softcap
-    caps the scores (Gemma 2). The grid depends only on shapes, never on the lengths' values. So a CUDA
-    graph or a compiled step can replay it."""
+    caps the scores (Gemma 2). With a sliding `window`, each query sees only the last `window` keys.
+    The grid depends only on shapes, never on the lengths' values. So a CUDA graph or a compiled step
+    can replay it."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_requests = k_cache.shape[2], len(seq_lens)
     group = num_heads // num_kv_heads
@@ -148,6 +158,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc
         out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, num_requests, scale, softcap,
         *q.stride()[:2], *out.stride()[:2],  # token and head strides
         *k_cache.stride()[:3], block_tables.stride(0), k_cache.shape[1],  # block, slot and head strides
+        window or 0, WINDOWED=window is not None,
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs 16 or more
         BLOCK_M=block_m, TILE_N=32,

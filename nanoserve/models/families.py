@@ -88,14 +88,9 @@ def describe(config: PretrainedConfig) -> Family:
                                layer_types=tuple(getattr(config, "layer_types", None) or ()), **gemma)
 
 
-def check_max_model_len(config: PretrainedConfig, family: Family, max_model_len: int) -> None:
-    """Refuse a context longer than the checkpoint's positions, or than its sliding window.
-    Attention here always sees the whole context. That differs from the model's once a request is longer
-    than its window."""
+def check_max_model_len(config: PretrainedConfig, max_model_len: int) -> None:
+    """Refuse a context longer than the checkpoint's positions. A sliding window shorter than the context
+    is fine. Attention then sees only the window's keys (sliding_window.py)."""
     if max_model_len > config.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                          f"max_position_embeddings={config.max_position_embeddings}")
-    window = family.sliding_window
-    if window is not None and window < max_model_len:
-        raise ValueError(f"sliding_window={window} is smaller than max_model_len={max_model_len}: nanoserve's "
-                         f"attention always sees the whole context; pass max_model_len={window} or less")

@@ -12,7 +12,8 @@ becomes tanh(x / cap) * cap (layers/softcap.py). Gemma 2's and 3's `layer_types`
 with full ones. Gemma 3 has q/k norm, and its own rope_parameters per layer type (the sliding layers' base is
 lower).
 
-Each layer keeps its own `sliding_window` (`Family.layer_window`): None on a full-attention layer.
+Each layer's attention gets its own window, as every family's does (`Family.layer_window`, in llama.py).
+A full-attention layer's is None.
 """
 from __future__ import annotations
 
@@ -32,15 +33,13 @@ from nanoserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, L
 
 
 class GemmaAttention(LlamaAttention):
-    """Llama's attention, with Gemma's q/k norm (Gemma 3) and this layer's sliding window."""
+    """Llama's attention, with Gemma's q/k norm (Gemma 3)."""
 
-    def __init__(self, config: PretrainedConfig, family: Family, attention: AttentionBackend, shard: Shard,
-                 layer: int):
+    def __init__(self, config: PretrainedConfig, family: Family, attention: AttentionBackend, shard: Shard):
         super().__init__(config, family, attention, shard)
         if family.qk_norm:
             self.q_norm = GemmaRMSNorm(family.head_dim, config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(family.head_dim, config.rms_norm_eps)
-        self.sliding_window = family.layer_window(layer)  # None: this layer sees the whole context
 
 
 class GemmaMLP(LlamaMLP):
@@ -52,12 +51,11 @@ class GemmaMLP(LlamaMLP):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, family: Family, attention: AttentionBackend, shard: Shard,
-                 layer: int):
+    def __init__(self, config: PretrainedConfig, family: Family, attention: AttentionBackend, shard: Shard):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
-        self.self_attn = GemmaAttention(config, family, attention, shard, layer)
+        self.self_attn = GemmaAttention(config, family, attention, shard)
         # Gemma: the norm before the MLP, as Llama's. Gemma 2 and 3: the norm of attention's output.
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.mlp = GemmaMLP(config, shard)
@@ -87,8 +85,8 @@ class GemmaModel(LlamaModel):
         self.embed_tokens = nn.Embedding(config.vocab_size // shard.size, config.hidden_size)  # a vocab range
         scale = (family.query_pre_attn_scalar or family.head_dim) ** -0.5
         self.attention = BACKENDS[attention_backend](scale=scale, softcap=family.attn_logit_softcapping or 0.0)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(config, family, self.attention, shard, i)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(GemmaDecoderLayer(config, family, self.attention, shard)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         # each layer's RoPE: Gemma 3's rope_parameters map a layer type to its own, the others' are one for all
         self.layer_types = family.layer_types or ("full_attention",) * config.num_hidden_layers

@@ -79,7 +79,8 @@ class LlamaAttention(nn.Module):
             qk = norm_heads(qk, H, self.q_norm, self.k_norm)
         # q and k heads side by side get the same rotation: one pass over both, not two
         q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=1)  # [N, H, D], [N, Hkv, D]
-        out = self.attention.forward(q, k, v, kv_cache, layer, metadata)  # [N, H, D]
+        # the layer's sliding window, or None (a full-attention layer of Gemma 2 and 3, or of Qwen's layer_types)
+        out = self.attention.forward(q, k, v, kv_cache, layer, metadata, self.family.layer_window(layer))  # [N, H, D]
         # [N, H * D] -> [N, hidden]: the sum over every rank's heads
         return all_reduce(self.o_proj(out.flatten(1)), self.shard)
 

@@ -91,8 +91,7 @@ def read_checkpoint(path: str) -> Checkpoint:
     The engine reads it, and so does each tensor-parallel worker.
 
     It checks for an architecture in MODELS, and for what llama.py implements. Only attributes every
-    family's config has are read as such. A family's own (Llama's attention_bias) are read where present.
-    A sliding window is checked against max_model_len (`families.check_max_model_len`)."""
+    family's config has are read as such. A family's own (Llama's attention_bias) are read where present."""
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"model folder {path!r} does not exist")
