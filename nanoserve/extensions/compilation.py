@@ -226,7 +226,7 @@ def unflatten_plan(slot_mapping: Tensor, sizes: Tensor, bounds: Tensor, rows: Te
 # The schema declares the KV cache mutated, `(a!)`, and nothing else.
 LIBRARY = torch.library.Library("nanoserve", "FRAGMENT")
 LIBRARY.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, int layer, Tensor[] tensors, "
-               "float scale, float softcap) -> Tensor")
+               "float scale, float softcap, int? window) -> Tensor")
 
 
 @torch.library.impl(LIBRARY, "paged_attention", "CompositeExplicitAutograd")
