@@ -87,15 +87,14 @@ class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear, group_size: int):
         super().__init__()
         weight = linear.weight.detach()  # [out, in], in the activation dtype
-        out_features, in_features = weight.shape
-        groups = weight.float().reshape(out_features, in_features // group_size, group_size)  # [out, groups, size]
+        groups = weight.float().unflatten(1, (-1, group_size))  # [out, groups, size]
         low, high = groups.amin(dim=2), groups.amax(dim=2)  # [out, groups]
         scale = ((high - low) / 15).to(weight.dtype)
         scale = scale.where(scale > 0, 1)
         zero = (low + 8 * scale.float()).to(weight.dtype)
         # q is the nearest int4 to w under the rounded scale and zero that the kernel uses
         q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None]) + 8  # [out, groups, size]
-        q = q.clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
+        q = q.clamp(0, 15).to(torch.int32).flatten(1)  # [out, in]
         self.group_size = group_size
         self.register_buffer("scale_and_zero", torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous())
         self.register_buffer("weight_int4", pack_int4(q))  # [groups, out, 2] above; this one is the kernel's
