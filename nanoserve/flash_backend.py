@@ -36,18 +36,17 @@ class FlashBackend:
         # token i's k, v into row slot_mapping[i] of the caches viewed as [num_blocks * block_size, Hkv, D]
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, batch.slot_mapping, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, batch.slot_mapping, v)
+        # what both kernels take alike: request b's keys are in blocks block_tables[b]
+        alike = dict(block_table=batch.block_tables, softmax_scale=self.scale, causal=True, softcap=self.softcap,
+                     window_size=flash_window_size(window))
         if batch.is_decode_only:  # N == B: one query per request, all keys already in the cache
-            # request b's query attends to its first seq_lens[b] cached tokens, in blocks block_tables[b]
-            return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache,  # q as [B, 1, H, D]
-                                     cache_seqlens=batch.seq_lens, block_table=batch.block_tables,
-                                     softmax_scale=self.scale, causal=True, softcap=self.softcap,
-                                     window_size=flash_window_size(window)).squeeze(1)  # [N, H, D]
+            # request b's query attends to its first seq_lens[b] cached tokens; q as [B, 1, H, D]
+            return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=batch.seq_lens,
+                                     **alike).squeeze(1)  # [N, H, D]
         # request b's queries are rows query_start_loc[b]:query_start_loc[b + 1] of q; its keys, the
-        # first cu_seqlens_k[b + 1] - cu_seqlens_k[b] (= seq_lens[b]) tokens in blocks block_tables[b]
+        # first cu_seqlens_k[b + 1] - cu_seqlens_k[b] (= seq_lens[b]) tokens
         return self.varlen_func(q, k_cache, v_cache, batch.query_start_loc, batch.cu_seqlens_k,
-                                batch.max_query_len, batch.max_seq_len, softmax_scale=self.scale,
-                                causal=True, window_size=flash_window_size(window), block_table=batch.block_tables,
-                                softcap=self.softcap)
+                                batch.max_query_len, batch.max_seq_len, **alike)
 
 
 def why_not_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:

@@ -37,7 +37,6 @@ def blocks_window(config: PretrainedConfig) -> int | None:
     """The window after which a block may be returned while its request runs (block_manager.py): the
     checkpoint's sliding window where every layer has it, else None. A layer of full attention (in
     config.json's `layer_types`) reads every key, so a model with one keeps every block."""
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(kind != "sliding_attention" for kind in layer_types):
-        return None
-    return getattr(config, "sliding_window", None)
+    if all(kind == "sliding_attention" for kind in getattr(config, "layer_types", None) or []):
+        return getattr(config, "sliding_window", None)
+    return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from itertools import combinations
 from typing import Any
 
 from nanoserve.sampling_params import InvalidRequest
@@ -41,12 +42,10 @@ def check_bounds(spec: dict[str, Any], max_bytes: int = MAX_BYTES, max_depth: in
     patterns = [typed(spec, name, str) for name in ("regex", "grammar")]
     schema = spec.get("json")
     texts = patterns + [text for text in (schema, *(spec.get("choice") or ())) if isinstance(text, str)]
-    if num_bytes(texts) > max_bytes:
-        refuse(f"has over {max_bytes} bytes, more than this server takes")
+    check_bytes(texts, max_bytes)
     schema = read_json(schema) if isinstance(schema, str) else schema
     strings, schema_patterns = walk_schema(schema, max_depth) if isinstance(schema, (dict, list)) else ([], [])
-    if num_bytes(strings) > max_bytes:
-        refuse(f"has over {max_bytes} bytes, more than this server takes")
+    check_bytes(strings, max_bytes)
     # the texts whose brackets nest: the regex, the grammar, the schema's strings
     if any(bracket_depth(text) > max_depth for text in patterns + strings):
         refuse(f"nests brackets over {max_depth} deep, more than this server takes")
@@ -57,8 +56,9 @@ def check_bounds(spec: dict[str, Any], max_bytes: int = MAX_BYTES, max_depth: in
         refuse(f"has over {MAX_QUANTIFIERS} quantifiers in its regex, grammar or patterns, more than this server takes")
 
 
-def num_bytes(texts: list[str]) -> int:
-    return sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
+def check_bytes(texts: list[str], max_bytes: int) -> None:
+    if sum(len(text.encode("utf-8", "surrogatepass")) for text in texts) > max_bytes:
+        refuse(f"has over {max_bytes} bytes, more than this server takes")
 
 
 def read_json(text: str) -> Any:
@@ -124,8 +124,7 @@ def check_keywords(schema: dict) -> None:
     ref = typed(schema, "$ref", str)
     if ref and not ref.startswith("#"):
         refuse("has a $ref outside the schema (a remote one), which this server does not fetch")
-    members = typed(schema, "oneOf", list)
-    if any(not disjoint(a, b) for i, a in enumerate(members) for b in members[i + 1:]):
+    if not all(disjoint(a, b) for a, b in combinations(typed(schema, "oneOf", list), 2)):
         refuse("has a oneOf whose members may overlap, which this server enforces as anyOf")
     check_satisfiable(schema)
 

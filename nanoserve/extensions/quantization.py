@@ -87,34 +87,33 @@ class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear, group_size: int):
         super().__init__()
         weight = linear.weight.detach()  # [out, in], in the activation dtype
-        out_features, in_features = weight.shape
-        groups = weight.float().reshape(out_features, in_features // group_size, group_size)  # [out, groups, size]
+        groups = weight.float().unflatten(1, (-1, group_size))  # [out, groups, size]
         low, high = groups.amin(dim=2), groups.amax(dim=2)  # [out, groups]
         scale = ((high - low) / 15).to(weight.dtype)
         scale = scale.where(scale > 0, 1)
         zero = (low + 8 * scale.float()).to(weight.dtype)
         # q is the nearest int4 to w under the rounded scale and zero that the kernel uses
         q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None]) + 8  # [out, groups, size]
-        q = q.clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
+        q = q.clamp(0, 15).to(torch.int32).flatten(1)  # [out, in]
         self.group_size = group_size
         self.register_buffer("scale_and_zero", torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous())
         self.register_buffer("weight_int4", pack_int4(q))  # [groups, out, 2] above; this one is the kernel's
         self.bias = linear.bias  # [out] or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.int4_mm(x.contiguous(), self.scale_and_zero)  # [N, out]
+        y = self.int4_mm(x.contiguous())  # [N, out]
         return y if self.bias is None else y + self.bias
 
-    def int4_mm(self, x: torch.Tensor, scale_and_zero: torch.Tensor) -> torch.Tensor:
+    def int4_mm(self, x: torch.Tensor) -> torch.Tensor:
         cpu = x.device.type == "cpu"
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu if cpu else torch.ops.aten._weight_int4pack_mm
-        return mm(x, self.weight_int4, self.group_size, scale_and_zero)
+        return mm(x, self.weight_int4, self.group_size, self.scale_and_zero.to(x.dtype))  # float32 in dequantize
 
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] this layer multiplies by, in float32: the kernel's product with the identity.
         Each output sums one product, so it is (q - 8) * scale + zero, exact in float32."""
         eye = torch.eye(self.scale_and_zero.shape[0] * self.group_size, device=self.scale_and_zero.device)
-        return self.int4_mm(eye, self.scale_and_zero.float()).T
+        return self.int4_mm(eye).T
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -154,11 +153,10 @@ def check_shape(name: str, weight: torch.Tensor, quantization: str, group_size: 
 def check_kernel(layer: nn.Module, weight: torch.Tensor, quantization: str = "int8") -> None:
     """Run `layer` on one row of zeros. A device, dtype or shape the kernel refuses is then a ValueError
     now, at load, not in the first step."""
-    kernel = "aten._weight_int8pack_mm" if quantization == "int8" else "aten._weight_int4pack_mm"
     try:
         layer(torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device))
     except (RuntimeError, NotImplementedError) as error:
         first_line = (str(error).strip().splitlines() or [""])[0]
         raise ValueError(f"quantization={quantization!r} is not supported here: torch {torch.__version__} has no "
-                         f"{quantization} kernel ({kernel}) for a {list(weight.shape)} {weight.dtype} weight on "
-                         f"{weight.device.type}: {first_line}") from error
+                         f"{quantization} kernel (aten._weight_{quantization}pack_mm) for a {list(weight.shape)} "
+                         f"{weight.dtype} weight on {weight.device.type}: {first_line}") from error

@@ -8,6 +8,12 @@ import torch
 from torch import nn
 
 
+def normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) in float32: bf16 would lose the mean of squares."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -15,10 +21,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 for the mean of squares (bf16 would lose it); cast back before the weight, as HF does
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * normalize(x, self.eps).to(x.dtype)  # cast back before the weight, as HF does
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -26,9 +29,7 @@ class GemmaRMSNorm(RMSNorm):
     init). Unlike Llama's, the weight multiplies in float32 and the product is cast back, as HF's Gemma does."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return (normalize(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def norm_heads(qk: torch.Tensor, num_heads: int, q_norm: RMSNorm, k_norm: RMSNorm) -> torch.Tensor:

@@ -20,7 +20,7 @@ def attend_softcapped(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float,
     if is_causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     if mask is not None and mask.dtype == torch.bool:
-        mask = torch.zeros_like(mask, dtype=scores.dtype).masked_fill(~mask, float("-inf"))
-    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
         scores = scores + mask
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
