@@ -103,7 +103,8 @@ def free_memory(device: torch.device) -> tuple[int, int]:
     return memory.available, memory.total
 
 
-def upload(arrays: dict[str, np.ndarray | list], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+def upload(arrays: dict[str, np.ndarray | list], dtype: torch.dtype, device: torch.device | str
+           ) -> dict[str, torch.Tensor]:
     """Host arrays by name -> tensors on `device` in `dtype`, each of its array's shape.
 
     The tensors are views of one buffer that goes up in one copy. On CUDA that copy is from pinned memory,
@@ -111,7 +112,7 @@ def upload(arrays: dict[str, np.ndarray | list], dtype: torch.dtype, device: tor
     memory, as in torch.tensor(list, device="cuda"), the host may wait for the GPU to finish.
     On a CPU there is no copy."""
     flat = torch.from_numpy(np.concatenate([np.ravel(a) for a in arrays.values()])).to(dtype)
-    if device.type == "cuda":
+    if torch.device(device).type == "cuda":  # device may be a str: build_batch(..., "cpu")
         flat = flat.pin_memory()
     parts = flat.to(device, non_blocking=True).split([np.size(a) for a in arrays.values()])
     return {name: part.view(np.shape(a)) for (name, a), part in zip(arrays.items(), parts)}
