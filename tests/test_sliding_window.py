@@ -197,3 +197,14 @@ def test_int8_gemma2_with_a_window_matches_transformers_on_dequantized_weights(t
     dequantized = save_dequantized(path, str(tmp_path / "dequantized"),
                                    quantize=lambda weight: quantize_by_hand(weight).nan_to_num(0.0))
     assert [o.token_ids for o in outputs] == hf_greedy_eager(dequantized, PROMPTS, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_tensor_parallel_gemma_with_a_window_matches_transformers(tmp_path, name):
+    """Gemma 2 and 3 with an 8-token window on some layers, over 2 ranks: token-exact with transformers.
+    Each rank holds half the heads, so each must still apply its layer's window and soft-capping.
+    Catches a rank's layers built without the Family's windows, or Gemma's GeGLU MLP not reduced."""
+    path = build_tiny_model(str(tmp_path), max_position_embeddings=512, **MIXED_WINDOWS[name])
+    with LLM(path, tensor_parallel_size=2, dtype="float32", block_size=4) as llm:
+        outputs = llm.generate(PROMPTS, [greedy(n) for n in MAX_TOKENS], use_tqdm=False)
+    assert [o.token_ids for o in outputs] == hf_greedy_eager(path, PROMPTS, MAX_TOKENS)
