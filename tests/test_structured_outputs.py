@@ -210,7 +210,7 @@ def test_a_small_grammar_never_waits_behind_a_large_one_and_a_left_compile_is_ca
     def planted(grammar):
         calls.append(grammar)
         if len(calls) == 1:
-            release.wait(timeout=30)  # the first large compile holds its thread until the test is done
+            release.wait(timeout=180)  # the first large compile holds its thread until the test is done
         return compile_now(grammar)
     monkeypatch.setattr(grammars, "compile_now", planted)
     for started in grammars.start_workers():  # a worker's start (seconds on a busy machine) is not what this times
@@ -220,13 +220,15 @@ def test_a_small_grammar_never_waits_behind_a_large_one_and_a_left_compile_is_ca
     queued = grammars.submit(large[1], waiting=True)
     small = grammars.submit(StructuredOutputsParams(regex="[a-z]{2}"), waiting=False)
     try:
-        small.result(timeout=10)  # not behind the large compile that holds its thread
+        # not behind the large compile, which holds its thread past this timeout. The margin covers a new
+        # worker's start: an earlier test may have killed the small lane's worker (seconds, more when loaded).
+        small.result(timeout=90)
         grammars.leave(large[1])  # its only waiter left before it started
         assert queued.cancelled() and large[1].key not in grammars.cache
     finally:
         release.set()
     grammars.leave(large[0])
-    running.result(timeout=30)
+    running.result(timeout=60)
     assert len(calls) == 2 and not grammars.waiters  # the cancelled one never compiled
 
 
