@@ -204,7 +204,9 @@ def run_to_end(engine) -> list:
 def test_a_small_grammar_never_waits_behind_a_large_one_and_a_left_compile_is_cancelled(austen, monkeypatch):
     """Catches: one compile thread, first come first served (a 1 ms regex waited 23 s behind abandoned huge
     enums), and a queued compile whose waiters all left still run (and cached)."""
-    grammars, release, calls = austen.engine.grammars, threading.Event(), []
+    engine = austen.engine  # a compiler of its own: earlier tests leave the engine's lanes and workers as they were
+    grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size, {2})
+    release, calls = threading.Event(), []
     compile_now = grammars.compile_now
 
     def planted(grammar):
@@ -230,6 +232,7 @@ def test_a_small_grammar_never_waits_behind_a_large_one_and_a_left_compile_is_ca
     grammars.leave(large[0])
     running.result(timeout=60)
     assert len(calls) == 2 and not grammars.waiters  # the cancelled one never compiled
+    grammars.close()
 
 
 def test_the_grammar_cache_is_bounded_by_bytes(austen):
