@@ -99,17 +99,17 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.de
     - for a decode, the token's index in its sequence.
     """
     input_ids: list[int] = []
-    prompt_rows, next_token_ids = [], []
+    sampled_rows, prompt_rows, next_token_ids = [], [], []
     for (seq, num_new), positions in zip(scheduled, prompt_logprob_positions(scheduled)):
         start = seq.num_computed_tokens
         prompt_rows += [len(input_ids) + p - start for p in positions]  # rows of the flat batch
         next_token_ids += seq.token_ids[positions.start + 1:positions.stop + 1]
         # num_new counts a request's drafts too (spec_decode.py): they follow its last token, which token_ids ends with
         input_ids += seq.token_ids[start:start + num_new - len(seq.spec_token_ids)] + seq.spec_token_ids
+        if samples_now(seq, num_new):  # it samples from its last token's row and its drafts' rows; none mid-prompt
+            sampled_rows += range(len(input_ids) - 1 - len(seq.spec_token_ids), len(input_ids))
     query_lens = np.array([num_new for _, num_new in scheduled], np.int64)
     seq_lens = np.array([seq.num_computed_tokens + num_new for seq, num_new in scheduled], np.int64)
-    # Rows each request samples from: its last token's, and its drafts' (spec_decode.py); none mid-prompt
-    num_sampled = np.maximum(seq_lens - np.array([seq.num_tokens for seq, _ in scheduled]) + 1, 0)  # [B]
     query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
     # Token t belongs to request req[t]; its position counts on from that request's computed tokens.
     req = np.repeat(np.arange(len(scheduled)), query_lens)
@@ -119,13 +119,11 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.de
         block_tables[r, :len(seq.block_table)] = seq.block_table  # the rest stays 0, the null block
     # [N]: token t's block is entry positions[t] // block_size of its request's block table
     slot_mapping = block_tables[req, positions // block_size] * block_size + positions % block_size
-    # [S]: request r's last num_sampled[r] tokens, for every r
-    sampled_rows = np.repeat(query_start_loc[1:] - np.cumsum(num_sampled), num_sampled) + np.arange(num_sampled.sum())
-    logits_indices = np.concatenate([sampled_rows, prompt_rows])
     cu_seqlens_k = np.concatenate([[0], np.cumsum(seq_lens)])
     # One copy to the device per dtype (flash-attn wants lengths and block tables in int32)
     tensors = upload(dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-                          logits_indices=logits_indices, next_token_ids=next_token_ids), torch.int64, device)
+                          logits_indices=sampled_rows + prompt_rows, next_token_ids=next_token_ids),
+                     torch.int64, device)
     tensors |= upload(dict(query_start_loc=query_start_loc, seq_lens=seq_lens, cu_seqlens_k=cu_seqlens_k,
                            block_tables=block_tables), torch.int32, device)
     return Batch(**tensors, max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
