@@ -75,7 +75,7 @@ def prompt_logprob_positions(scheduled: list[ScheduledSeq]) -> list[range]:
     Positions whose row is known are skipped. A preempted request recomputes its prompt, but its
     prompt_logprobs are kept. Requests with the same prompt share one list (scheduler.py). So rows that a
     request earlier in the batch computes for the same list are skipped too. Each row is computed once."""
-    planned: dict[int, int] = {}  # id of a shared list -> the positions with a row by the end of this step
+    planned = {}  # id of a shared list -> the positions with a row by the end of this step
     found = []
     for seq, num_new in scheduled:
         if seq.params.prompt_logprobs is None:
@@ -98,8 +98,7 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: torch.de
     - k, k + 1, ... after a hit of k tokens;
     - for a decode, the token's index in its sequence.
     """
-    input_ids: list[int] = []
-    sampled_rows, prompt_rows, next_token_ids = [], [], []
+    input_ids, sampled_rows, prompt_rows, next_token_ids = [], [], [], []
     for (seq, num_new), positions in zip(scheduled, prompt_logprob_positions(scheduled)):
         start = seq.num_computed_tokens
         prompt_rows += [len(input_ids) + p - start for p in positions]  # rows of the flat batch

@@ -93,7 +93,7 @@ class BlockManager:
         nothing is ever cached (cache_full_blocks), so nothing is found.
         """
         num_tokens = seq.num_tokens - 1 if max_tokens is None else min(seq.num_tokens - 1, max_tokens)
-        hits: list[int] = []
+        hits = []  # block ids
         key = None
         for i in range(num_tokens // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
@@ -196,21 +196,20 @@ class BlockManager:
         # tokens computed by the end of this step, as the invariants mean it
         computed = {seq: seq.num_computed_tokens for seq in seqs}
         computed.update((seq, seq.num_computed_tokens + num_new) for seq, num_new in scheduled)
-        holders: dict[int, list[tuple[Sequence, int]]] = {}  # block_id -> [(seq, index in its block table)]
+        holders = {}  # block_id -> [(seq, index in its block table)]
         for seq in seqs:
-            held = [block_id for block_id in seq.block_table if block_id != 0]  # 0: passed by a sliding window
-            assert len(set(held)) == len(held), f"{seq} holds a block twice"
             assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, f"{seq} has KV without blocks"
             for i, block_id in enumerate(seq.block_table):
-                if block_id != 0:
+                if block_id != 0:  # 0: passed by a sliding window
                     holders.setdefault(block_id, []).append((seq, i))
-        assert 0 not in holders and 0 not in self.free_queue, "the null block 0 was handed out or freed"
+        assert 0 not in self.free_queue, "the null block 0 was freed"
         assert self.num_free_blocks + len(holders) == len(self.blocks) - 1, \
             f"{self.num_free_blocks} free + {len(holders)} used blocks != {len(self.blocks) - 1} usable blocks"
         for block in self.blocks[1:]:
             held = holders.get(block.block_id, [])
             where = f"block {block.block_id} with ref_cnt {block.ref_cnt}, in {len(held)} block tables,"
             assert block.ref_cnt == len(held), f"{where} has a wrong ref_cnt"
+            assert len({seq for seq, _ in held}) == len(held), f"{where} is held twice by one request"
             assert (block.ref_cnt == 0) == (block.block_id in self.free_queue), f"{where} must be free iff unused"
             # Only a cache hit shares a block. A cached block is read-only: full, and computed (by the end
             # of this step) by every request that holds it; the first of them wrote it.
@@ -229,7 +228,7 @@ class BlockManager:
         num_computed_tokens + num_new), lie in its blocks. No block is written by two requests.
         Others may hold a block written now only if it is full after this step and they read it
         (assert_invariants). They never read it before the step that writes it."""
-        writers: dict[int, Sequence] = {}
+        writers = {}  # block_id -> the request that writes it this step
         for seq, num_new in scheduled:
             end = seq.num_computed_tokens + num_new
             assert end <= len(seq.block_table) * self.block_size, f"{seq} writes {num_new} slots past its blocks"

@@ -15,7 +15,7 @@ from nanoserve.config import CPU_KV_CACHE_FRACTION, Config, cdiv
 from nanoserve.device import free_memory, resolve_dtype
 from nanoserve.distributed import Shard, broadcast_from_rank0
 from nanoserve.models.loader import Checkpoint, load_model
-from nanoserve.sampler import SamplerOutput, SamplingParams, TokenLogprobs, sample, top_logprobs
+from nanoserve.sampler import SamplerOutput, SamplingParams, sample, top_logprobs
 from nanoserve.seams import Seams
 from nanoserve.sequence import ScheduledSeq, Sequence
 from nanoserve.tokenizer import read_eos_token_ids
@@ -47,7 +47,7 @@ class ModelRunner:
             torch.cuda.empty_cache()  # the free memory read next counts the warm-up's as free
         # Rank 0 decides how many blocks; every rank's cache then holds as many, so one block table fits all.
         num_blocks = config.num_kvcache_blocks or self.size_kv_cache(config, max_model_len) if shard.rank == 0 else None
-        self.num_blocks: int = broadcast_from_rank0(num_blocks, shard)
+        self.num_blocks = broadcast_from_rank0(num_blocks, shard)
         needed, available = self.num_blocks * self.bytes_per_block(), free_memory(device)[0]
         if needed > available:
             raise ValueError(f"num_kvcache_blocks={self.num_blocks} needs {needed / 2**30:.2f} GiB for the KV cache, "
@@ -124,7 +124,7 @@ class ModelRunner:
         # penalties, grammars...: logits_processors.py (a request using them has no drafts: one row each)
         processed = self.logits_processor(sampling, seqs, self.eos_token_ids)
         token_ids = sample(processed, [s.params for s in seqs], num_generated)
-        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        logprobs = [None] * len(seqs)  # a row's stays None unless its request asked for logprobs
         rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
         if rows:
             chosen = torch.tensor([token_ids[row] for row in rows], device=logits.device)

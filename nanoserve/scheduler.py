@@ -120,8 +120,8 @@ class Scheduler:
         """Each running request, oldest first, gets its next decode token or prefill chunk while the
         budget lasts. Returns them, and the requests preempted to find blocks for them."""
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
+        scheduled = []
+        preempted = []
         for seq in list(self.running):  # a copy: preempting removes the newest from self.running
             if budget == 0:
                 break
@@ -146,7 +146,7 @@ class Scheduler:
     def admit_waiting(self, budget: int, planned: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Move waiting requests to running, first come, first served, while they fit. `planned` is the
         step's plan so far. The first that does not fit stops admission, so no one behind it jumps the queue."""
-        scheduled: list[ScheduledSeq] = []
+        scheduled = []
         # Static batching, difference 2 of 4: the whole batch is admitted at once, even past the token
         # budget (their prompts then run in chunks over the next steps).
         while ((seq := self.next_ready()) and (budget > 0 or self.static)
