@@ -34,7 +34,7 @@ Invariants:
   while its request runs (`free_passed_blocks`). Its entry in the block table becomes the null block 0.
   It stays cached until evicted, so a cached block may outlive its parent. A lookup stops at the
   missing parent.
-`assert_invariants` and `assert_writable` check all of this (tests call them after every step).
+`assert_invariants` checks all of this (tests call them after every step).
 """
 from __future__ import annotations
 
@@ -191,17 +191,27 @@ class BlockManager:
 
     def assert_invariants(self, seqs: list[Sequence], scheduled: list[ScheduledSeq] = ()) -> None:
         """Check the invariants above; raise AssertionError naming what broke.
-        `seqs` is all the live requests. `scheduled` is this step's plan, if it has not run yet.
-        With no live request every block must be free: nothing leaked."""
+        `seqs` is all the live requests. With no live request every block must be free: nothing leaked.
+
+        `scheduled` is this step's plan, if it has not run yet. Each request writes the slots
+        [num_computed_tokens, num_computed_tokens + num_new). They must lie in its blocks, and no block is
+        written by two requests. Others may hold a block written now only if it is full after this step
+        (they read it only after the step that writes it)."""
         # tokens computed by the end of this step, as the invariants mean it
         computed = {seq: seq.num_computed_tokens for seq in seqs}
         computed.update((seq, seq.num_computed_tokens + num_new) for seq, num_new in scheduled)
         holders = {}  # block_id -> [(seq, index in its block table)]
         for seq in seqs:
-            assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, f"{seq} has KV without blocks"
+            assert len(seq.block_table) * self.block_size >= computed[seq], f"{seq} has KV without blocks"
             for i, block_id in enumerate(seq.block_table):
                 if block_id != 0:  # 0: passed by a sliding window
                     holders.setdefault(block_id, []).append((seq, i))
+        writers = {}  # block_id -> the request that writes it this step
+        for seq, _ in scheduled:
+            first, end = seq.num_computed_tokens // self.block_size, cdiv(computed[seq], self.block_size)
+            for block_id in seq.block_table[first:end]:
+                writer = writers.setdefault(block_id, seq)
+                assert writer is seq, f"block {block_id} is written by {writer} and {seq}"
         assert 0 not in self.free_queue, "the null block 0 was freed"
         assert self.num_free_blocks + len(holders) == len(self.blocks) - 1, \
             f"{self.num_free_blocks} free + {len(holders)} used blocks != {len(self.blocks) - 1} usable blocks"
@@ -222,16 +232,3 @@ class BlockManager:
             # (a sliding window returns a parent before its children: a lookup then stops at the parent)
             assert block.parent is None or self.blocks[block.parent].hash is not None or self.sliding_window, \
                 f"cached block {block_id} outlived its parent block {block.parent}"
-
-    def assert_writable(self, scheduled: list[ScheduledSeq]) -> None:
-        """Check one step's plan. The slots each request writes, [num_computed_tokens,
-        num_computed_tokens + num_new), lie in its blocks. No block is written by two requests.
-        Others may hold a block written now only if it is full after this step and they read it
-        (assert_invariants). They never read it before the step that writes it."""
-        writers = {}  # block_id -> the request that writes it this step
-        for seq, num_new in scheduled:
-            end = seq.num_computed_tokens + num_new
-            assert end <= len(seq.block_table) * self.block_size, f"{seq} writes {num_new} slots past its blocks"
-            for block_id in seq.block_table[seq.num_computed_tokens // self.block_size:cdiv(end, self.block_size)]:
-                writer = writers.setdefault(block_id, seq)
-                assert writer is seq, f"block {block_id} is written by {writer} and {seq}"

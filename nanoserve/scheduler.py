@@ -293,4 +293,3 @@ class Scheduler:
             assert all(s in self.running for s in seqs), f"a planned request is not running: {scheduled}"
             assert all(n > 0 for _, n in scheduled), f"a request scheduled with no tokens: {scheduled}"
             assert sum(n for _, n in scheduled) <= self.config.max_num_batched_tokens, "token budget exceeded"
-            self.block_manager.assert_writable(scheduled)
