@@ -30,6 +30,8 @@ class ModelRunner:
     `seams` holds the extensions that enter here (seams.py): the weight transform, the step executor and
     the logits processor."""
 
+    healthy = True  # can this runner still run steps? One process always can (see TensorParallelRunner)
+
     def __init__(self, config: Config, device: torch.device, max_model_len: int, checkpoint: Checkpoint,
                  shard: Shard = Shard(), seams: Seams = Seams()) -> None:
         self.shard, self.device, self.logits_processor = shard, device, seams.logits_processor
@@ -133,11 +135,6 @@ class ModelRunner:
         num_top = [seq.params.prompt_logprobs for (seq, _), rows in zip(scheduled, prompt_logprob_positions(scheduled))
                    for _ in rows]
         return SamplerOutput(token_ids, logprobs, top_logprobs(prompt_rows, batch.next_token_ids, num_top))
-
-    @property
-    def healthy(self) -> bool:
-        """Can this runner still run steps? One process always can (see TensorParallelRunner)."""
-        return True
 
     def close(self) -> None:
         """Nothing to release for one process (see TensorParallelRunner.close)."""

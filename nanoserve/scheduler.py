@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable
-from itertools import chain
 from typing import Protocol
 
 from nanoserve.batch import prompt_logprob_positions
@@ -153,7 +151,7 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             # Blocks enter the prefix cache when the step that fills them is scheduled: a request
             # admitted after another in this step shares the blocks that one fills (block_manager.py).
-            max_hit = self.max_cache_hit(seq, chain(planned, scheduled))
+            max_hit = self.max_cache_hit(seq, planned + scheduled)
             cached_prefix = self.block_manager.find_cached_prefix(seq, max_hit)
             num_computed = len(cached_prefix) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
@@ -181,7 +179,7 @@ class Scheduler:
         grammar is compiled (structured_outputs.py). It does not hold up those behind it."""
         return next((seq for seq in self.waiting if seq.status is SequenceStatus.WAITING or seq.grammar.ready), None)
 
-    def max_cache_hit(self, seq: Sequence, planned: Iterable[ScheduledSeq]) -> int | None:
+    def max_cache_hit(self, seq: Sequence, planned: list[ScheduledSeq]) -> int | None:
         """How many of seq's tokens a prefix-cache hit may cover, or None for any.
 
         With prompt logprobs, a hit covers only the positions whose rows are known. A row is known if an
