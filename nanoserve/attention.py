@@ -204,7 +204,7 @@ class TorchBackend:
 
 AttentionBackend = TorchBackend | FlashBackend | TritonBackend  # triton: our own kernel, triton_backend.py
 AttentionMetadata = AttentionPlan | Batch | TritonMetadata  # what each backend's prepare returns
-BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend, "flash": FlashBackend, "triton": TritonBackend}
+BACKENDS = {"torch": TorchBackend, "flash": FlashBackend, "triton": TritonBackend}
 
 
 # ----------------------------------------------------------------------------- choosing a backend

@@ -164,8 +164,9 @@ class Scheduler:
             del self.waiting[seq]
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_computed
-            if seq.num_cached_tokens is None:  # first admission (a preempted request finds its own blocks)
-                seq.num_cached_tokens = min(num_computed, seq.num_prompt_tokens)
+            # First admission (a preempted request finds its own blocks). Nothing is sampled yet: the hit is prompt.
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_computed
                 self.num_cached_tokens += seq.num_cached_tokens
             self.running[seq] = None
             self.block_manager.cache_full_blocks(seq, num_computed + num_new)
@@ -274,7 +275,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.finish(reason)
 
-    def assert_invariants(self, scheduled: list[ScheduledSeq] | None = None) -> None:
+    def assert_invariants(self, scheduled: list[ScheduledSeq] = ()) -> None:
         """Check the invariants above and the block manager's. Given this step's plan (before `update`),
         also check that it fits the limits, and that no block is written by two requests."""
         live = [*self.waiting, *self.running]
@@ -284,10 +285,9 @@ class Scheduler:
                    for s in self.waiting), f"a waiting request is not WAITING or holds KV: {list(self.waiting)}"
         assert all(s.status is SequenceStatus.RUNNING for s in self.running), f"bad running: {list(self.running)}"
         assert len(self.running) <= self.config.max_num_seqs, f"{len(self.running)} running > max_num_seqs"
-        self.block_manager.assert_invariants(live, scheduled or ())
-        if scheduled is not None:
-            seqs = [seq for seq, _ in scheduled]
-            assert len(set(seqs)) == len(seqs), f"a request planned twice: {scheduled}"
-            assert all(s in self.running for s in seqs), f"a planned request is not running: {scheduled}"
-            assert all(n > 0 for _, n in scheduled), f"a request scheduled with no tokens: {scheduled}"
-            assert sum(n for _, n in scheduled) <= self.config.max_num_batched_tokens, "token budget exceeded"
+        self.block_manager.assert_invariants(live, scheduled)
+        seqs = [seq for seq, _ in scheduled]
+        assert len(set(seqs)) == len(seqs), f"a request planned twice: {scheduled}"
+        assert all(s in self.running for s in seqs), f"a planned request is not running: {scheduled}"
+        assert all(n > 0 for _, n in scheduled), f"a request scheduled with no tokens: {scheduled}"
+        assert sum(n for _, n in scheduled) <= self.config.max_num_batched_tokens, "token budget exceeded"
