@@ -94,7 +94,7 @@ class Scheduler:
         """Queue seq. If it asks for prompt logprobs, it shares the list of a request with the same prompt
         and prompt_logprobs (see the module docstring)."""
         if seq.params.prompt_logprobs is not None:
-            key = (tuple(seq.token_ids[:seq.num_prompt_tokens]), seq.params.prompt_logprobs)
+            key = (tuple(seq.token_ids), seq.params.prompt_logprobs)  # a new request's tokens are its prompt
             seq.prompt_logprobs = self.prompt_logprobs_owners.setdefault(key, seq).prompt_logprobs
         self.waiting[seq] = None
 
