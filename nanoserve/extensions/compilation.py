@@ -138,7 +138,7 @@ def attention_as_op(backend: object) -> None:
         plan = backend.prepare
         backend.prepare = lambda batch, block_size, dtype: flatten_plan(plan(batch, block_size, dtype), dtype)
         backend.forward = lambda q, k, v, kv_cache, layer, tensors, window: torch.ops.nanoserve.paged_attention(
-            q, k, v, kv_cache, layer, list(tensors), backend.scale, backend.softcap, window)
+            q, k, v, kv_cache, layer, tensors, backend.scale, backend.softcap, window)
     elif isinstance(backend, FlashBackend):
         backend.forward = torch.compiler.disable(backend.forward)
 
