@@ -59,8 +59,6 @@ from nanoserve.attention import (
     PrefillRequest,
     TorchBackend,
     causal_mask,
-    paged_attention,
-    store_kvcache,
 )
 from nanoserve.batch import build_batch
 from nanoserve.config import Config, cdiv
@@ -139,8 +137,8 @@ def attention_as_op(backend: object) -> None:
     if isinstance(backend, TorchBackend):
         plan = backend.prepare
         backend.prepare = lambda batch, block_size, dtype: flatten_plan(plan(batch, block_size, dtype), dtype)
-        backend.forward = lambda q, k, v, kv_cache, layer, tensors, window=None: torch.ops.nanoserve.paged_attention(
-            q, k, v, kv_cache, layer, list(tensors), backend.scale, backend.softcap, window)
+        backend.forward = lambda q, k, v, kv_cache, layer, tensors, window: torch.ops.nanoserve.paged_attention(
+            q, k, v, kv_cache, layer, tensors, backend.scale, backend.softcap, window)
     elif isinstance(backend, FlashBackend):
         backend.forward = torch.compiler.disable(backend.forward)
 
@@ -238,10 +236,10 @@ def paged_attention_op(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer:
     q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`. Its plan is read back from `flatten_plan`'s `tensors`.
     They are one list argument, not seven. Each call of a mutating @custom_op cost torch ~(arguments)^2
     small objects (the version bump's fill_defaults). That was ~50 us at 13 arguments, 30 times a step."""
-    k_cache, v_cache = kv_cache[:, layer]  # views taken inside the op: it declares the whole cache mutated
-    plan = unflatten_plan(*tensors, k_cache.shape[1])
-    store_kvcache(k, v, k_cache, v_cache, plan.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, plan, scale, softcap, window).contiguous()
+    # kv_cache [2, layers, blocks, block_size, Hkv, D]. The backend takes the layer's views inside the op,
+    # which declares the whole cache mutated.
+    plan = unflatten_plan(*tensors, kv_cache.shape[3])
+    return TorchBackend(scale, softcap).forward(q, k, v, kv_cache, layer, plan, window).contiguous()
 
 
 @torch.library.register_fake("nanoserve::paged_attention")
