@@ -23,7 +23,7 @@ def resolve_device(name: str | None) -> torch.device:
     except RuntimeError:
         raise ValueError(f"device {name!r} is not a device name such as 'cpu', 'cuda', 'cuda:1' or 'mps'") from None
     available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
-    if not available.get(device.type, False):
+    if not available.get(device.type):
         raise ValueError(f"device {name!r} is not available on this machine (supported: cpu, cuda, mps)")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")

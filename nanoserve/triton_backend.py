@@ -105,8 +105,7 @@ def choose_backend(name: str, device: torch.device, dtype: torch.dtype, flash_ru
     - "torch".
     Any block_size serves triton, because each key finds its own block."""
     if name == "triton":
-        why_not = why_not_triton(device, dtype)
-        if why_not:
+        if why_not := why_not_triton(device, dtype):
             raise ValueError(f"the triton attention backend cannot run here: {why_not}")
         return "triton"
     if flash_runs:
