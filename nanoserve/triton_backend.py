@@ -16,7 +16,7 @@ slowly, to debug the GPU path on a laptop.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,9 +24,9 @@ from torch import Tensor
 from nanoserve.batch import Batch
 
 
-@dataclass(frozen=True)
-class TritonMetadata:
-    """What every layer's attention shares in a step. It is the Batch's arrays the store and the kernel read."""
+class TritonMetadata(NamedTuple):
+    """What every layer's attention shares in a step. It is the Batch's arrays the store and the kernel read.
+    The fields are in the order triton_attention takes them, so `forward` passes them as `*metadata`."""
     slot_mapping: Tensor     # [N] int64
     query_start_loc: Tensor  # [B+1] int32
     seq_lens: Tensor         # [B] int32
@@ -70,9 +70,8 @@ class TritonBackend:
                 metadata: TritonMetadata, window: int | None = None) -> Tensor:
         """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`, in one custom op (triton_attention).
         `window` is the layer's sliding window, or None."""
-        return torch.ops.nanoserve.triton_attention(q, k, v, kv_cache, layer, metadata.slot_mapping,
-                                                    metadata.query_start_loc, metadata.seq_lens,
-                                                    metadata.block_tables, self.scale, self.softcap, window)
+        return torch.ops.nanoserve.triton_attention(q, k, v, kv_cache, layer, *metadata, self.scale, self.softcap,
+                                                    window)
 
 
 def interpreting() -> bool:
