@@ -111,7 +111,7 @@ def upload(arrays: dict[str, np.ndarray | list], dtype: torch.dtype, device: tor
     with non_blocking=True. It queues behind the GPU's work, and the host goes on at once. From pageable
     memory, as in torch.tensor(list, device="cuda"), the host may wait for the GPU to finish.
     On a CPU there is no copy."""
-    flat = torch.from_numpy(np.concatenate([np.ravel(a) for a in arrays.values()])).to(dtype)
+    flat = torch.from_numpy(np.concatenate(list(arrays.values()), axis=None)).to(dtype)  # axis=None: each raveled
     if torch.device(device).type == "cuda":  # device may be a str: build_batch(..., "cpu")
         flat = flat.pin_memory()
     parts = flat.to(device, non_blocking=True).split([np.size(a) for a in arrays.values()])
