@@ -62,7 +62,6 @@ def build_seams(config: Config) -> Seams:
     """The seams filled with the extensions `config` asks for. The logits processors and grammars are always
     there, as any request may ask for them. One asked for but not importable is a ValueError naming it."""
     spec, quantization = config.speculative_config, config.quantization
-    group_size = (config.quantization_config or {}).get("group_size", 32)  # int4's
     asked = {"compilation": not config.enforce_eager and compile_model, "spec_decode": spec is not None and Speculator,
              "quantization": quantization is not None and quantize_linears,
              "parallel": config.tensor_parallel_size > 1 and TensorParallelRunner}
@@ -70,8 +69,9 @@ def build_seams(config: Config) -> Seams:
         raise ValueError(f"the config asks for nanoserve.extensions.{missing[0]}, which cannot be imported")
     return Seams(executor=EagerSteps() if config.enforce_eager else CompiledSteps(config),
                  logits_processor=process_logits or no_logits_processing,
-                 weight_transform=partial(quantize_linears, quantization=quantization, group_size=group_size)
-                 if quantization else None,
+                 # int4's group_size comes from quantization_config (Config checked its keys), else its default
+                 weight_transform=partial(quantize_linears, quantization=quantization,
+                                          **(config.quantization_config or {})) if quantization else None,
                  drafter=Speculator(SpeculativeConfig.from_dict(spec)) if spec is not None else None,
                  grammars=GrammarCompiler,
                  tensor_parallel=TensorParallelRunner)

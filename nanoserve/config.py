@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-from nanoserve.sampling_params import is_finite_real, is_int, require
+from nanoserve.sampling_params import check_bool, check_positive_int, is_finite_real, require
 
 # Without num_kvcache_blocks on a CPU, the KV cache takes at most this share of available RAM.
 CPU_KV_CACHE_FRACTION = 0.1
@@ -102,8 +102,8 @@ class Config:
         require(self.scheduling in ("continuous", "static"), "scheduling", self.scheduling, "'continuous' or 'static'")
         require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
                 "auto, float32, bfloat16 or float16")
-        for name in ("enable_prefix_caching", "enforce_eager"):
-            require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_bool("enforce_eager", self.enforce_eager)
         require(self.device is None or isinstance(self.device, str), "device", self.device,
                 "a str such as 'cpu', 'cuda', 'cuda:1' or 'mps'")
         require(self.quantization in (None, "int8", "int4"), "quantization", self.quantization,
@@ -125,10 +125,6 @@ class Config:
         if unknown := sorted(set(kwargs) - known):
             raise ValueError(f"unknown config key(s) {unknown}; valid keys: {sorted(known - {'model'})}")
         return cls(model=os.fspath(model) if isinstance(model, os.PathLike) else model, **kwargs)
-
-
-def check_positive_int(name: str, value: object) -> None:
-    require(is_int(value) and value >= 1, name, value, "a positive int")
 
 
 def cdiv(a: int, b: int) -> int:

@@ -54,7 +54,7 @@ class Detokenizer:
 
     def take_delta(self, finished: bool) -> str:
         """The settled text not yet sent; while running, without an end that begins a stop string."""
-        end = len(self.text) if finished else len(self.text) - max(self.matched, default=0)
+        end = len(self.text) - (0 if finished else max(self.matched, default=0))
         delta, self.num_sent = self.text[self.num_sent:end], max(end, self.num_sent)
         return delta
 

@@ -23,7 +23,7 @@ def resolve_device(name: str | None) -> torch.device:
     except RuntimeError:
         raise ValueError(f"device {name!r} is not a device name such as 'cpu', 'cuda', 'cuda:1' or 'mps'") from None
     available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
-    if not available.get(device.type, False):
+    if not available.get(device.type):
         raise ValueError(f"device {name!r} is not available on this machine (supported: cpu, cuda, mps)")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
@@ -111,7 +111,7 @@ def upload(arrays: dict[str, np.ndarray | list], dtype: torch.dtype, device: tor
     with non_blocking=True. It queues behind the GPU's work, and the host goes on at once. From pageable
     memory, as in torch.tensor(list, device="cuda"), the host may wait for the GPU to finish.
     On a CPU there is no copy."""
-    flat = torch.from_numpy(np.concatenate([np.ravel(a) for a in arrays.values()])).to(dtype)
+    flat = torch.from_numpy(np.concatenate(list(arrays.values()), axis=None)).to(dtype)  # axis=None: each raveled
     if torch.device(device).type == "cuda":  # device may be a str: build_batch(..., "cpu")
         flat = flat.pin_memory()
     parts = flat.to(device, non_blocking=True).split([np.size(a) for a in arrays.values()])

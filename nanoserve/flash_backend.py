@@ -31,11 +31,9 @@ class FlashBackend:
         """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`. With a sliding window, each query sees only the
         last `window` keys. `slot_mapping` goes to the store only. flash-attn finds every key, new ones
         included, through `block_tables`."""
+        from nanoserve.attention import store_kvcache  # here: attention.py imports this module at its top
         k_cache, v_cache = kv_cache[:, layer]  # this layer's [num_blocks, block_size, Hkv, D] each
-        # attention.store_kvcache (attention.py imports this module, so it cannot be imported here):
-        # token i's k, v into row slot_mapping[i] of the caches viewed as [num_blocks * block_size, Hkv, D]
-        k_cache.view(-1, *k.shape[1:]).index_copy_(0, batch.slot_mapping, k)
-        v_cache.view(-1, *v.shape[1:]).index_copy_(0, batch.slot_mapping, v)
+        store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
         # what both kernels take alike: request b's keys are in blocks block_tables[b]
         alike = dict(block_table=batch.block_tables, softmax_scale=self.scale, causal=True, softcap=self.softcap,
                      window_size=flash_window_size(window))
@@ -59,7 +57,7 @@ def why_not_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> st
 
     flash-attn 3 and 4 are other packages with other functions. An install of flash-attn 4 alone leaves
     an empty `flash_attn` namespace: its import succeeds, but it holds neither function."""
-    if torch.device(device).type != "cuda" or torch.version.hip:  # ROCm answers to "cuda" too, numbered its own way
+    if device.type != "cuda" or torch.version.hip:  # ROCm answers to "cuda" too, numbered its own way
         return f"flash-attn 2 needs an NVIDIA GPU (CUDA, not ROCm), got device {device}"
     capability = torch.cuda.get_device_capability(device)
     if not (8, 0) <= capability < (10, 0):

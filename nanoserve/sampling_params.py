@@ -59,13 +59,13 @@ class SamplingParams:
         require(is_finite_real(t) and t >= 0, "temperature", t, "a finite number >= 0")
         require(is_finite_real(p) and 0 < p <= 1, "top_p", p, "a number in (0, 1]")
         require(is_int(k) and k >= -1, "top_k", k, "an int >= -1 (0 and -1 mean off)")
-        require(is_int(m) and m >= 1, "max_tokens", m, "an int >= 1")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
-            require(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
+        check_positive_int("max_tokens", m)
+        check_bool("ignore_eos", self.ignore_eos)
+        check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         require(stop is None or (isinstance(stop, (list, tuple)) and all(is_int(s) and s >= 0 for s in stop)),
                 "stop_token_ids", stop, "None or a list of ints >= 0")
         require(seed is None or is_int(seed), "seed", seed, "an int or None")
-        require(is_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
+        check_positive_int("n", self.n)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             require(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), name, value,
@@ -100,6 +100,14 @@ class InvalidRequest(ValueError):
 def require(ok: bool, name: str, value: object, rule: str) -> None:
     if not ok:
         raise InvalidRequest(name, f"{name} must be {rule}, got {value!r}")
+
+
+def check_positive_int(name: str, value: object) -> None:
+    require(is_int(value) and value >= 1, name, value, "a positive int")
+
+
+def check_bool(name: str, value: object) -> None:
+    require(isinstance(value, bool), name, value, "True or False")
 
 
 def is_int(value: object) -> bool:

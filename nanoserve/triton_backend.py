@@ -16,7 +16,7 @@ slowly, to debug the GPU path on a laptop.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,9 +24,9 @@ from torch import Tensor
 from nanoserve.batch import Batch
 
 
-@dataclass(frozen=True)
-class TritonMetadata:
-    """What every layer's attention shares in a step. It is the Batch's arrays the store and the kernel read."""
+class TritonMetadata(NamedTuple):
+    """What every layer's attention shares in a step. It is the Batch's arrays the store and the kernel read.
+    The fields are in the order triton_attention takes them, so `forward` passes them as `*metadata`."""
     slot_mapping: Tensor     # [N] int64
     query_start_loc: Tensor  # [B+1] int32
     seq_lens: Tensor         # [B] int32
@@ -41,12 +41,11 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: i
     The step's k, v are written into their slots of layer `layer` first. So each query finds its own
     token's key through the block table, like any other. `window` is the layer's sliding window, or None."""
     k_cache, v_cache = kv_cache[:, layer]  # views taken inside the op: it declares the whole cache mutated
-    # imported only when run: triton reads TRITON_INTERPRET as the kernel is defined
+    # Imported only when run. Triton reads TRITON_INTERPRET as the kernel is defined. And attention.py
+    # imports this module, so this module cannot import attention.py at its top.
+    from nanoserve.attention import store_kvcache
     from nanoserve.kernels.triton_attention import paged_attention
-    # the store of attention.store_kvcache (attention.py imports this module, so it cannot be imported here):
-    # token i's k, v into row slot_mapping[i] of the caches viewed as [num_blocks * block_size, Hkv, D]
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
     return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, softcap, window)
 
 
@@ -71,9 +70,8 @@ class TritonBackend:
                 metadata: TritonMetadata, window: int | None = None) -> Tensor:
         """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`, in one custom op (triton_attention).
         `window` is the layer's sliding window, or None."""
-        return torch.ops.nanoserve.triton_attention(q, k, v, kv_cache, layer, metadata.slot_mapping,
-                                                    metadata.query_start_loc, metadata.seq_lens,
-                                                    metadata.block_tables, self.scale, self.softcap, window)
+        return torch.ops.nanoserve.triton_attention(q, k, v, kv_cache, layer, *metadata, self.scale, self.softcap,
+                                                    window)
 
 
 def interpreting() -> bool:
@@ -85,7 +83,6 @@ def why_not_triton(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the triton backend cannot serve here, or None where it can.
     It needs CUDA, or the CPU under the interpreter, and triton importable. On the interpreter a bfloat16
     tl.dot returns garbage."""
-    device = torch.device(device)
     if device.type == "cpu" and not interpreting():
         return "on a CPU its kernels run only in Triton's interpreter: set TRITON_INTERPRET=1 (slow; for debugging)"
     if device.type not in ("cpu", "cuda"):
@@ -107,12 +104,11 @@ def choose_backend(name: str, device: torch.device, dtype: torch.dtype, flash_ru
     - "torch".
     Any block_size serves triton, because each key finds its own block."""
     if name == "triton":
-        why_not = why_not_triton(device, dtype)
-        if why_not:
+        if why_not := why_not_triton(device, dtype):
             raise ValueError(f"the triton attention backend cannot run here: {why_not}")
         return "triton"
     if flash_runs:
         return "flash"
-    if name == "auto" and torch.device(device).type == "cuda" and not why_not_triton(device, dtype):
+    if name == "auto" and device.type == "cuda" and not why_not_triton(device, dtype):
         return "triton"
     return "torch"
