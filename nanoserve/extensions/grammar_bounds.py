@@ -41,8 +41,8 @@ def check_bounds(spec: dict[str, Any], max_bytes: int = MAX_BYTES, max_depth: in
       the grammar and the schema's patterns."""
     patterns = [typed(spec, name, str) for name in ("regex", "grammar")]
     schema = spec.get("json")
-    texts = patterns + [text for text in (schema, *(spec.get("choice") or ())) if isinstance(text, str)]
-    check_bytes(texts, max_bytes)
+    # the spec's texts: the regex, the grammar, the schema as JSON text, the choices
+    check_bytes(patterns + [text for text in (schema, *(spec.get("choice") or ())) if isinstance(text, str)], max_bytes)
     strings, schema_patterns = walk_schema(read_json(schema) if isinstance(schema, str) else schema, max_depth)
     check_bytes(strings, max_bytes)
     # the texts whose brackets nest: the regex, the grammar, the schema's strings
@@ -83,8 +83,9 @@ def walk_schema(schema: Any, max_depth: int) -> tuple[list[str], list[str]]:
     (`check_keywords`). Returns its strings, keys included, and its patterns (a `pattern`'s value,
     `patternProperties`' keys)."""
     strings, patterns = [], []
-    # (value, depth, what it is: a schema, a map or list of schemas, or data); nothing to walk in a bool schema
-    stack = [(schema, 1, "schema")] if isinstance(schema, (dict, list)) else []
+    # (value, depth, what it is: a schema, a map or list of schemas, or data). It starts as a list of one schema
+    # at depth 0, so that a schema with nothing in it to walk (a bool, None) is never pushed.
+    stack = [([schema], 0, "schemas")]
     while stack:
         value, depth, role = stack.pop()
         if depth > max_depth:
