@@ -117,8 +117,8 @@ def check_keywords(schema: dict) -> None:
     schema. They are `not`, `uniqueItems`, `contains`, `if`, a lookahead in `pattern`, a `oneOf` whose
     members may overlap (xgrammar takes any one), and a `$ref` outside the schema.
 
-    Refuse too a schema no value fits: an empty type or enum, a minimum over its maximum, an allOf of types
-    that exclude one another, a required property that additionalProperties false forbids."""
+    Refuse too a schema no value fits. That is an empty type or enum, or a minimum over its maximum. So is an
+    allOf of types that exclude one another, or a required property that additionalProperties false forbids."""
     for keyword in ("not", "contains", "minContains", "maxContains", "if"):
         if keyword in schema:
             refuse(f"uses the keyword {keyword}, which this server cannot enforce")
@@ -154,7 +154,7 @@ def disjoint(a: Any, b: Any) -> bool:
                for name in typed(a, "properties", dict))
 
 
-def values_of(schema: dict, name: Any) -> set[str]:
+def values_of(schema: Any, name: Any) -> set[str]:
     """The values a required property may take, where its schema lists them (const or enum; as JSON text);
     else empty."""
     prop = typed(schema, "properties", dict).get(name)
@@ -165,22 +165,21 @@ def values_of(schema: dict, name: Any) -> set[str]:
 
 
 def typed(fields: Any, key: str, kind: type) -> Any:
-    """fields[key] where fields is a dict and that a `kind` (str, list or dict); else an empty one, as if it
-    were missing."""
+    """fields[key] where fields is a dict and the value a `kind` (str, list or dict). Else an empty `kind`, as
+    if it were missing."""
     value = fields.get(key) if isinstance(fields, dict) else None
     return value if isinstance(value, kind) else kind()
 
 
 def types_meet(schemas: list) -> bool:
-    """Whether one type fits every schema in `schemas` that gives its `type`."""
-    types = [type_set(s["type"]) for s in schemas if isinstance(s, dict) and isinstance(s.get("type"), (str, list))]
+    """Whether one type fits every schema in `schemas` that gives its `type`. A number may be an integer."""
+    types = []
+    for schema in schemas:
+        given = schema.get("type") if isinstance(schema, dict) else None
+        if isinstance(given, (str, list)):
+            names = {given} if isinstance(given, str) else {name for name in given if isinstance(name, str)}
+            types.append(names | {"integer"} if "number" in names else names)
     return not types or bool(set.intersection(*types))
-
-
-def type_set(types: str | list) -> set[str]:
-    """A schema's `type` as a set; a number may be an integer."""
-    names = {types} if isinstance(types, str) else {name for name in types if isinstance(name, str)}
-    return names | {"integer"} if "number" in names else names
 
 
 def bracket_depth(text: str) -> int:
@@ -199,11 +198,10 @@ def bracket_depth(text: str) -> int:
 def count_quantifiers(text: str) -> tuple[int, int]:
     """(the quantifiers in a regex, the longest run of them stacked on one atom). `a{1}{1}` stacks two: each
     nests the one before, as a bracket would. Escaped characters and character classes (`[*+?]`) are atoms."""
-    total = stacked = longest = 0
+    stacks = [0]  # the quantifiers stacked on each atom in turn (the first count: those before any atom)
     for token in REGEX_TOKEN.finditer(text):
         if token["quantifier"]:
-            total, stacked = total + 1, stacked + 1
-            longest = max(longest, stacked)
+            stacks[-1] += 1
         else:
-            stacked = 0
-    return total, longest
+            stacks.append(0)
+    return sum(stacks), max(stacks)
