@@ -41,18 +41,17 @@ def check_bounds(spec: dict[str, Any], max_bytes: int = MAX_BYTES, max_depth: in
       the grammar and the schema's patterns."""
     patterns = [typed(spec, name, str) for name in ("regex", "grammar")]
     schema = spec.get("json")
-    texts = patterns + [text for text in (schema, *(spec.get("choice") or ())) if isinstance(text, str)]
-    check_bytes(texts, max_bytes)
-    schema = read_json(schema) if isinstance(schema, str) else schema
-    strings, schema_patterns = walk_schema(schema, max_depth) if isinstance(schema, (dict, list)) else ([], [])
+    # the spec's texts: the regex, the grammar, the schema as JSON text, the choices
+    check_bytes(patterns + [text for text in (schema, *(spec.get("choice") or ())) if isinstance(text, str)], max_bytes)
+    strings, schema_patterns = walk_schema(read_json(schema) if isinstance(schema, str) else schema, max_depth)
     check_bytes(strings, max_bytes)
     # the texts whose brackets nest: the regex, the grammar, the schema's strings
-    if any(bracket_depth(text) > max_depth for text in patterns + strings):
+    if max(map(bracket_depth, patterns + strings)) > max_depth:
         refuse(f"nests brackets over {max_depth} deep, more than this server takes")
-    counts = [count_quantifiers(text) for text in patterns + schema_patterns]
-    if any(stacked > max_depth for _, stacked in counts):
+    totals, stacks = zip(*map(count_quantifiers, patterns + schema_patterns))  # per text: (total, longest stack)
+    if max(stacks) > max_depth:
         refuse(f"stacks over {max_depth} quantifiers on one atom (as a{{1}}{{1}}...), more than this server takes")
-    if sum(total for total, _ in counts) > MAX_QUANTIFIERS:
+    if sum(totals) > MAX_QUANTIFIERS:
         refuse(f"has over {MAX_QUANTIFIERS} quantifiers in its regex, grammar or patterns, more than this server takes")
 
 
@@ -73,17 +72,20 @@ def read_json(text: str) -> Any:
 DATA_KEYWORDS = {"enum", "const", "default", "examples"}
 SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
 SCHEMA_LISTS = {"allOf", "anyOf", "oneOf", "prefixItems", "items"}
+# The bounds whose low one over the high one leaves no value to fit
+BOUNDS = {"minimum": "maximum", "minLength": "maxLength", "minItems": "maxItems", "minProperties": "maxProperties"}
 
 
-def walk_schema(schema: dict | list, max_depth: int) -> tuple[list[str], list[str]]:
+def walk_schema(schema: Any, max_depth: int) -> tuple[list[str], list[str]]:
     """Walk a JSON schema without recursion, since it may be nested a thousand deep.
 
     It refuses past max_depth levels. It also refuses each schema in it that no output can satisfy
     (`check_keywords`). Returns its strings, keys included, and its patterns (a `pattern`'s value,
     `patternProperties`' keys)."""
-    strings: list[str] = []
-    patterns: list[str] = []
-    stack = [(schema, 1, "schema")]  # (value, depth, what it is: a schema, a map or list of schemas, or data)
+    strings, patterns = [], []
+    # (value, depth, what it is: a schema, a map or list of schemas, or data). It starts as a list of one schema
+    # at depth 0, so that a schema with nothing in it to walk (a bool, None) is never pushed.
+    stack = [([schema], 0, "schemas")]
     while stack:
         value, depth, role = stack.pop()
         if depth > max_depth:
@@ -113,7 +115,10 @@ def child_role(role: str, key: Any, item: dict | list) -> str:
 def check_keywords(schema: dict) -> None:
     """Refuse (InvalidRequest) the keywords xgrammar ignores where ignoring them lets an output break the
     schema. They are `not`, `uniqueItems`, `contains`, `if`, a lookahead in `pattern`, a `oneOf` whose
-    members may overlap (xgrammar takes any one), a `$ref` outside the schema, and bounds no value fits."""
+    members may overlap (xgrammar takes any one), and a `$ref` outside the schema.
+
+    Refuse too a schema no value fits. That is an empty type or enum, or a minimum over its maximum. So is an
+    allOf of types that exclude one another, or a required property that additionalProperties false forbids."""
     for keyword in ("not", "contains", "minContains", "maxContains", "if"):
         if keyword in schema:
             refuse(f"uses the keyword {keyword}, which this server cannot enforce")
@@ -126,22 +131,14 @@ def check_keywords(schema: dict) -> None:
         refuse("has a $ref outside the schema (a remote one), which this server does not fetch")
     if not all(disjoint(a, b) for a, b in combinations(typed(schema, "oneOf", list), 2)):
         refuse("has a oneOf whose members may overlap, which this server enforces as anyOf")
-    check_satisfiable(schema)
-
-
-def check_satisfiable(schema: dict) -> None:
-    """Refuse a schema no value fits: an empty type or enum, a minimum over its maximum, an allOf of types that
-    exclude one another, a required property that additionalProperties false forbids."""
+    # what no value fits
     for keyword in ("type", "enum"):
         if schema.get(keyword) == []:
             refuse(f"gives an empty {keyword}: no value fits it")
-    for low, high in (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
-                      ("minProperties", "maxProperties")):
+    for low, high in BOUNDS.items():
         if all(isinstance(schema.get(k), (int, float)) for k in (low, high)) and schema[low] > schema[high]:
             refuse(f"has {low} over {high}: no value fits it")
-    types = [type_set(m["type"]) for m in typed(schema, "allOf", list)
-             if isinstance(m, dict) and isinstance(m.get("type"), (str, list))]
-    if types and not set.intersection(*types):
+    if not types_meet(typed(schema, "allOf", list)):
         refuse("has an allOf whose types exclude one another: no value fits it")
     properties, required = typed(schema, "properties", dict), typed(schema, "required", list)
     if schema.get("additionalProperties") is False and any(name not in properties for name in required):
@@ -151,38 +148,38 @@ def check_satisfiable(schema: dict) -> None:
 def disjoint(a: Any, b: Any) -> bool:
     """Two oneOf members no value fits both of: their types exclude one another, or a property both require
     takes different const or enum values in each (a tagged union)."""
-    if not isinstance(a, dict) or not isinstance(b, dict):
-        return False
-    if isinstance(a.get("type"), (str, list)) and isinstance(b.get("type"), (str, list)):
-        if not type_set(a["type"]) & type_set(b["type"]):
-            return True
-    return any(values_of(a, name).isdisjoint(values_of(b, name)) for name in required_of(a) & required_of(b)
-               if values_of(a, name) and values_of(b, name))
+    if not types_meet([a, b]):
+        return True
+    return any(values_of(a, name) and values_of(b, name) and values_of(a, name).isdisjoint(values_of(b, name))
+               for name in typed(a, "properties", dict))
 
 
-def required_of(schema: dict) -> set[str]:
-    return {name for name in schema.get("required") or () if isinstance(name, str)}
-
-
-def values_of(schema: dict, name: str) -> set[str]:
-    """The values a property may take, where its schema lists them (const or enum; as JSON text); else empty."""
+def values_of(schema: Any, name: Any) -> set[str]:
+    """The values a required property may take, where its schema lists them (const or enum; as JSON text);
+    else empty."""
     prop = typed(schema, "properties", dict).get(name)
-    if not isinstance(prop, dict):
+    if not isinstance(prop, dict) or name not in typed(schema, "required", list):
         return set()
     values = [prop["const"]] if "const" in prop else typed(prop, "enum", list)
     return {json.dumps(value, sort_keys=True) for value in values}
 
 
-def typed(fields: dict, key: str, kind: type) -> Any:
-    """fields[key] where it is a `kind` (str, list or dict); else an empty one, as if it were missing."""
-    value = fields.get(key)
+def typed(fields: Any, key: str, kind: type) -> Any:
+    """fields[key] where fields is a dict and the value a `kind` (str, list or dict). Else an empty `kind`, as
+    if it were missing."""
+    value = fields.get(key) if isinstance(fields, dict) else None
     return value if isinstance(value, kind) else kind()
 
 
-def type_set(types: str | list) -> set[str]:
-    """A schema's `type` as a set; a number may be an integer."""
-    names = {types} if isinstance(types, str) else {name for name in types if isinstance(name, str)}
-    return names | {"integer"} if "number" in names else names
+def types_meet(schemas: list) -> bool:
+    """Whether one type fits every schema in `schemas` that gives its `type`. A number may be an integer."""
+    types = []
+    for schema in schemas:
+        given = schema.get("type") if isinstance(schema, dict) else None
+        if isinstance(given, (str, list)):
+            names = {given} if isinstance(given, str) else {name for name in given if isinstance(name, str)}
+            types.append(names | {"integer"} if "number" in names else names)
+    return not types or bool(set.intersection(*types))
 
 
 def bracket_depth(text: str) -> int:
@@ -201,11 +198,10 @@ def bracket_depth(text: str) -> int:
 def count_quantifiers(text: str) -> tuple[int, int]:
     """(the quantifiers in a regex, the longest run of them stacked on one atom). `a{1}{1}` stacks two: each
     nests the one before, as a bracket would. Escaped characters and character classes (`[*+?]`) are atoms."""
-    total = stacked = longest = 0
+    stacks = [0]  # the quantifiers stacked on each atom in turn (the first count: those before any atom)
     for token in REGEX_TOKEN.finditer(text):
         if token["quantifier"]:
-            total, stacked = total + 1, stacked + 1
-            longest = max(longest, stacked)
+            stacks[-1] += 1
         else:
-            stacked = 0
-    return total, longest
+            stacks.append(0)
+    return sum(stacks), max(stacks)

@@ -44,16 +44,14 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: se
             seq.error = seq.error or error
     apply_penalties(logits, seqs)
     fail_banned_rows(logits, seqs)
-    for row, seq in enumerate(seqs):
-        if seq.error is not None:
-            logits[row] = 0
+    logits[[seq.error is not None for seq in seqs]] = 0  # [S] mask: the failed requests' rows
     return logits
 
 
 def apply_row_processors(logits: torch.Tensor, row: int, seq: Sequence, eos_token_ids: set[int]) -> None:
     """min_tokens and logit_bias, in place, on seq's row."""
     p = seq.params
-    if seq.num_tokens - seq.num_prompt_tokens < p.min_tokens:  # with a grammar too: one that must end sooner fails
+    if len(seq.output_token_ids) < p.min_tokens:  # with a grammar too: one that must end sooner fails
         stop = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else eos_token_ids)
         logits[row, sorted(stop)] = float("-inf")
     if bias := p.logit_bias:  # through numpy: a 49k-id bias takes ~4 ms a step, not ~35 as lists (AVX2 EPYC)
@@ -64,10 +62,11 @@ def apply_row_processors(logits: torch.Tensor, row: int, seq: Sequence, eos_toke
 def fail_banned_rows(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Fail each request whose row allows no token (all -inf). Either its grammar's language is empty, or
     the grammar must end before min_tokens. (The sampler would pick token 0, which the grammar then refuses.)"""
-    rows = [row for row, seq in enumerate(seqs) if uses_processors(seq.params) and seq.error is None]
-    banned = torch.isneginf(logits[rows]).all(dim=1).tolist()  # [R]
-    for seq in [seqs[row] for row, is_banned in zip(rows, banned) if is_banned]:
-        num_output = seq.num_tokens - seq.num_prompt_tokens
+    banned = torch.isneginf(logits).all(dim=1).tolist()  # [S]
+    for seq, is_banned in zip(seqs, banned):
+        if not is_banned or seq.error is not None or not uses_processors(seq.params):
+            continue  # a row with a token allowed, one already failed, or the model's own logits
+        num_output = len(seq.output_token_ids)
         if seq.grammar is None:
             seq.error = InvalidRequest("stop_token_ids", "every token is a stop token, banned until min_tokens")
         elif num_output < seq.params.min_tokens:
@@ -83,14 +82,15 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     rows = [row for row, seq in enumerate(seqs) if has_penalties(seq.params)]
     if not rows:
         return
-    R, vocab, device = len(rows), logits.shape[1], logits.device
+    vocab, device = logits.shape[1], logits.device
     # Each request's prompt + output token ids, padded with `vocab`: an extra column, dropped below.
     tokens = pad_sequence([torch.tensor(seqs[r].token_ids) for r in rows], batch_first=True,
                           padding_value=vocab).to(device)                                  # [R, L]
-    num_prompt = torch.tensor([seqs[r].num_prompt_tokens for r in rows], device=device)    # [R]
-    is_output = torch.arange(tokens.shape[1], device=device)[None, :] >= num_prompt[:, None]  # [R, L]
-    counts = torch.zeros(R, vocab + 1, device=device).scatter_add_(1, tokens, is_output.float())[:, :vocab]
-    seen = torch.zeros(R, vocab + 1, dtype=torch.bool, device=device).scatter_(1, tokens, True)[:, :vocab]
+    is_output = pad_sequence([torch.arange(seqs[r].num_tokens) >= seqs[r].num_prompt_tokens for r in rows],
+                             batch_first=True).to(device)                                  # [R, L]
+    zeros = torch.zeros(len(rows), vocab + 1, device=device)                              # [R, vocab + 1]
+    counts = zeros.scatter_add(1, tokens, is_output.float())[:, :vocab]  # [R, vocab]
+    seen = zeros.scatter(1, tokens, 1.0)[:, :vocab] > 0                 # [R, vocab]
     repetition, frequency, presence = (
         torch.tensor([getattr(seqs[r].params, name) for r in rows], device=device)[:, None]  # [R, 1] each
         for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
