@@ -10,7 +10,6 @@ Each extension enters at one seam (docs/architecture.md):
 Every front end (LLM, AsyncLLM, the CLI, the HTTP server) builds its engine here. It calls
 `build_engine(config)`, or `nanoserve.LLMEngine(config)`, which is the same.
 """
-from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial

@@ -9,7 +9,6 @@ Knuth-Morris-Pratt's automaton says how long that end is. For each stop string, 
 length of its longest beginning that ends the text. It is updated from the new characters alone.
 So a token costs the same however long the text and the stop strings are.
 """
-from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase

@@ -1,6 +1,5 @@
 """What this machine runs on: the device, the dtype, and how much of the device's memory is free.
 Decided once at start-up from the Config and the machine (see config.py for every derived value)."""
-from __future__ import annotations
 
 import logging
 import platform

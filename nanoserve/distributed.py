@@ -19,7 +19,6 @@ So each rank's KV cache holds only its KV heads, under the very same block table
 the functions here. With a `Shard` of size 1 (no tensor parallelism) each is a no-op. How the ranks
 are started and driven is parallel.py.
 """
-from __future__ import annotations
 
 import gc
 from dataclasses import dataclass

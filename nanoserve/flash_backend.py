@@ -2,7 +2,6 @@
 Batch's own arrays. `why_not_flash` says where they cannot run. attention.py chooses among the backends
 (`select_attention`) and states the invariants every backend keeps.
 """
-from __future__ import annotations
 
 import inspect
 

@@ -1,6 +1,5 @@
 """Text in: a model folder's tokenizer and end-of-sequence ids, and a prompt checked and turned into
 token ids. (Text out, one token at a time, is detokenizer.py.)"""
-from __future__ import annotations
 
 import os
 

@@ -13,7 +13,6 @@ tensors, never on Python lists or host copies of lengths.
 only when asked for and TRITON_INTERPRET=1 is set. Triton's interpreter then runs the kernels in numpy,
 slowly, to debug the GPU path on a laptop.
 """
-from __future__ import annotations
 
 import os
 from typing import NamedTuple

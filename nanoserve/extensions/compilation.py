@@ -42,7 +42,6 @@ The cache is `/tmp/torchinductor_$USER` by default, or `$TORCHINDUCTOR_CACHE_DIR
 It enters the core at the step-executor seam (seams.py's `StepExecutor`). The composition root
 (composition.py's `CompiledSteps`) fills that seam with `compile_model` and cuda_graphs.py's `capture_graphs`.
 """
-from __future__ import annotations
 
 import logging
 import types

@@ -23,7 +23,6 @@ Graphs need the flash or triton backend, whose inputs are the Batch's tensors. (
 depends only on their shapes.) The torch backend's per-step plan is Python data (attention.py), which a
 graph would freeze. Graphs do not work with tensor parallelism either.
 """
-from __future__ import annotations
 
 import functools
 import logging

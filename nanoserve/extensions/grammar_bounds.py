@@ -10,7 +10,6 @@ count). And a deep schema parses in time cubic in its depth. The bounds make the
 quick refusal. The child process that parses and compiles (grammar_workers.py) keeps the shapes they miss
 from taking anything down. Past a bound, the spec is refused with an InvalidRequest naming structured_outputs.
 """
-from __future__ import annotations
 
 import json
 import re

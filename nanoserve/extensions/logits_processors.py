@@ -16,7 +16,6 @@ row asks for any of them, the logits come back untouched, after one attribute ch
 A failure here is one request's: its grammar's, or its parameters'. It fails that request alone
 (`process_logits`).
 """
-from __future__ import annotations
 
 import numpy as np
 import torch

@@ -5,7 +5,6 @@ Each step it sends the `Batch` to every worker over a pipe. Then every rank runs
 its own shard. (distributed.py says what each rank holds and where they meet.) Only rank 0 samples.
 With tensor_parallel_size 1 nothing here runs: no process group, no process.
 """
-from __future__ import annotations
 
 import contextlib
 import signal

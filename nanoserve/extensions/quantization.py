@@ -28,7 +28,6 @@ Invariants:
   A row-parallel shard (o_proj, down_proj: split on in) has scales of its own slice's rows.
 - `dequantize()` is the weight a layer's products equal. The tests run transformers on those weights.
 """
-from __future__ import annotations
 
 import logging
 

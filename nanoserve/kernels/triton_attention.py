@@ -34,7 +34,6 @@ This module imports triton at its top. It is imported only once the triton backe
 (triton_backend.py), because TRITON_INTERPRET is read when a kernel is defined. (TRITON_INTERPRET runs
 the kernels in Triton's interpreter, on a CPU.)
 """
-from __future__ import annotations
 
 import torch
 import triton
