@@ -191,8 +191,7 @@ class TorchBackend:
     def __init__(self, scale: float, softcap: float = 0.0) -> None:
         self.scale, self.softcap = scale, softcap  # softcap: Gemma 2's (attend); 0: none
 
-    def prepare(self, batch: Batch, block_size: int, dtype: torch.dtype) -> AttentionPlan:
-        return plan_attention(batch, block_size, dtype)
+    prepare = staticmethod(plan_attention)  # (batch, block_size, dtype) -> the step's AttentionPlan
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, plan: AttentionPlan,
                 window: int | None = None) -> Tensor:

@@ -188,8 +188,8 @@ class Scheduler:
         seq's list and computes it (`update` adds its rows before seq's)."""
         if seq.params.prompt_logprobs is None:
             return None
-        this_step = [s.num_computed_tokens + n for s, n in planned if s.prompt_logprobs is seq.prompt_logprobs]
-        return max([len(seq.prompt_logprobs) - 1, *this_step])
+        # seq's own rows would start at the first position without a known row
+        return prompt_logprob_positions([*planned, (seq, 0)])[-1].start
 
     def max_kv_len(self, seq: Sequence) -> int:
         """The most KV seq can ever hold: prompt + max_tokens - 1, or max_model_len if less.
