@@ -57,9 +57,9 @@ from nanoserve.triton_backend import TritonBackend, TritonMetadata, choose_backe
 def store_kvcache(k: Tensor, v: Tensor, k_cache: Tensor,
                   v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write token i's k, v (`[N, num_kv_heads, head_dim]`) into flat slot `slot_mapping[i]`."""
-    # [num_blocks * block_size, num_kv_heads, head_dim]: one row per slot, a view, so writes land in the cache
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    for new, cache in (k, k_cache), (v, v_cache):
+        # [num_blocks * block_size, num_kv_heads, head_dim]: one row per slot, a view, so writes land in the cache
+        cache.view(-1, *new.shape[1:]).index_copy_(0, slot_mapping, new)
 
 
 # ----------------------------------------------------------------------------- the torch backend
@@ -191,8 +191,7 @@ class TorchBackend:
     def __init__(self, scale: float, softcap: float = 0.0) -> None:
         self.scale, self.softcap = scale, softcap  # softcap: Gemma 2's (attend); 0: none
 
-    def prepare(self, batch: Batch, block_size: int, dtype: torch.dtype) -> AttentionPlan:
-        return plan_attention(batch, block_size, dtype)
+    prepare = staticmethod(plan_attention)  # (batch, block_size, dtype) -> the step's AttentionPlan
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int, plan: AttentionPlan,
                 window: int | None = None) -> Tensor:

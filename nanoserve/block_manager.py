@@ -213,8 +213,7 @@ class BlockManager:
                 writer = writers.setdefault(block_id, seq)
                 assert writer is seq, f"block {block_id} is written by {writer} and {seq}"
         assert 0 not in self.free_queue, "the null block 0 was freed"
-        assert self.num_free_blocks + len(holders) == len(self.blocks) - 1, \
-            f"{self.num_free_blocks} free + {len(holders)} used blocks != {len(self.blocks) - 1} usable blocks"
+        # Per block: free iff no block table holds it. So no block is lost, nor free and held at once.
         for block in self.blocks[1:]:
             held = holders.get(block.block_id, [])
             where = f"block {block.block_id} with ref_cnt {block.ref_cnt}, in {len(held)} block tables,"

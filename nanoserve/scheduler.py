@@ -188,8 +188,8 @@ class Scheduler:
         seq's list and computes it (`update` adds its rows before seq's)."""
         if seq.params.prompt_logprobs is None:
             return None
-        this_step = [s.num_computed_tokens + n for s, n in planned if s.prompt_logprobs is seq.prompt_logprobs]
-        return max([len(seq.prompt_logprobs) - 1, *this_step])
+        # seq's own rows would start at the first position without a known row
+        return prompt_logprob_positions([*planned, (seq, 0)])[-1].start
 
     def max_kv_len(self, seq: Sequence) -> int:
         """The most KV seq can ever hold: prompt + max_tokens - 1, or max_model_len if less.
@@ -278,14 +278,13 @@ class Scheduler:
     def assert_invariants(self, scheduled: list[ScheduledSeq] = ()) -> None:
         """Check the invariants above and the block manager's. Given this step's plan (before `update`),
         also check that it fits the limits, and that no block is written by two requests."""
-        live = [*self.waiting, *self.running]
-        assert len(set(live)) == len(live), f"a request is queued twice: {live}"
+        # A queue holds a request once (a dict's keys), and the two statuses below keep it out of the other queue.
         waiting_states = (SequenceStatus.WAITING, SequenceStatus.WAITING_FOR_GRAMMAR)
         assert all(s.status in waiting_states and not s.block_table and s.num_computed_tokens == 0
                    for s in self.waiting), f"a waiting request is not WAITING or holds KV: {list(self.waiting)}"
         assert all(s.status is SequenceStatus.RUNNING for s in self.running), f"bad running: {list(self.running)}"
         assert len(self.running) <= self.config.max_num_seqs, f"{len(self.running)} running > max_num_seqs"
-        self.block_manager.assert_invariants(live, scheduled)
+        self.block_manager.assert_invariants([*self.waiting, *self.running], scheduled)
         seqs = [seq for seq, _ in scheduled]
         assert len(set(seqs)) == len(seqs), f"a request planned twice: {scheduled}"
         assert all(s in self.running for s in seqs), f"a planned request is not running: {scheduled}"
