@@ -36,7 +36,6 @@ attended in groups of ~8. Each group is padded only to its own longest context. 
 attended on its own. Both backends are checked against the plain per-request formulation in
 tests/flash_reference.py.
 """
-from __future__ import annotations
 
 from dataclasses import dataclass
 

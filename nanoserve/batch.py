@@ -4,7 +4,6 @@ This is the walkthrough's picture (docs/walkthrough.md) in code. `build_batch` t
 scheduler's plan into it. The model and the attention kernels read it. Nothing else carries
 attention inputs: no globals.
 """
-from __future__ import annotations
 
 from dataclasses import dataclass
 

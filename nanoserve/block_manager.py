@@ -36,7 +36,6 @@ Invariants:
   missing parent.
 `assert_invariants` checks all of this (tests call them after every step).
 """
-from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict

@@ -13,7 +13,6 @@ abort_request). Two threads in `step()` corrupt the bookkeeping, and an abort th
 step breaks it. AsyncLLM runs the engine loop in one thread and hands it requests and aborts
 through a queue.
 """
-from __future__ import annotations
 
 import itertools
 

@@ -5,7 +5,6 @@ Planning (scheduler, block_manager) never touches tensors. Here a plan, flattene
 It holds the rank's shard of the model and of the KV cache (distributed.py). Rank 0's is a
 `TensorParallelRunner` (parallel.py), which also drives the other ranks.
 """
-from __future__ import annotations
 
 import torch
 

@@ -8,7 +8,6 @@ Invariants:
 - Its last delta carries the finish_reason. An aborted request's output has none before it.
   A failed one's (finish_reason "error") has no delta for its last, void, token.
 """
-from __future__ import annotations
 
 from dataclasses import dataclass
 

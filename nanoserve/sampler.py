@@ -7,7 +7,6 @@ So its tokens do not depend on which other requests share the batch.
 Every SamplingParams (sampling_params.py) that can be made can be sampled with. A bad value is refused
 when the params are made. It is never refused in the middle of a step, where it would stall the whole batch.
 """
-from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass

@@ -8,7 +8,6 @@ A `Sequence` is one request. It holds:
 The scheduler keeps an invariant. The block table covers at least `num_computed_tokens` slots.
 Every token after them still has to be run through the model.
 """
-from __future__ import annotations
 
 import enum
 import time
