@@ -9,7 +9,7 @@ matrix. How fast the GEMM library does that depends on the weight's memory layou
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from nanoserve.device import has_onednn
 
@@ -21,13 +21,13 @@ LIBRARY.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int 
 
 
 @torch.library.impl(LIBRARY, "packed_linear", "CompositeExplicitAutograd")  # any backend: the weight is MkldnnCPU
-def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
-                  out_features: int) -> torch.Tensor:
+def packed_linear(x: Tensor, packed_weight: Tensor, bias: Tensor | None,
+                  out_features: int) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
 @torch.library.register_fake("nanoserve::packed_linear")
-def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def _(x: Tensor, packed_weight: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
     return x.new_empty(*x.shape[:-1], out_features)  # the shape the compiler traces: [..., out]
 
 
@@ -45,7 +45,7 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias  # [out] or None
         self.out_features = linear.out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         return torch.ops.nanoserve.packed_linear(x, self.packed_weight, self.bias, self.out_features)
 
 

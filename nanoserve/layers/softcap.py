@@ -7,8 +7,9 @@ import torch
 from torch import Tensor
 
 
-def softcap(x: Tensor, cap: float) -> Tensor:
-    return torch.tanh(x / cap) * cap
+def softcap(x: Tensor, cap: float | None) -> Tensor:
+    """x, capped where `cap` is not None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def attend_softcapped(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float, mask: Tensor | None,
