@@ -7,7 +7,7 @@ What every Gemma changes:
 - the MLP is GeGLU: gelu with the tanh approximation where Llama has silu (`family.hidden_act`, in llama.py);
 - the embeddings are multiplied by sqrt(hidden_size), rounded to the model's dtype first (`GemmaModel`);
 - the lm_head is tied to the embeddings.
-Gemma 2 and 3 add a norm after attention and one around the MLP (`sandwich_norms`, `GemmaDecoderLayer`). Their
+Gemma 2 and 3 add a norm after attention and one around the MLP (`sandwich_norms`, in llama.py). Their
 attention scale is `query_pre_attn_scalar ** -0.5`. Gemma 2 soft-caps its scores (in the attention backend) and
 its logits: x becomes tanh(x / cap) * cap (layers/softcap.py). Gemma 2's and 3's `layer_types` mix
 sliding-window layers with full ones. Gemma 3 has q/k norm, and its own rope_parameters per layer type (the
@@ -22,36 +22,16 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from nanoserve.attention import AttentionBackend, AttentionMetadata
+from nanoserve.attention import AttentionMetadata
 from nanoserve.distributed import Shard, embed
 from nanoserve.layers.rotary_embedding import RotaryEmbedding
 from nanoserve.models.families import Family
-from nanoserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-
-
-class GemmaDecoderLayer(LlamaDecoderLayer):
-    """Llama's layer, with Gemma 2's and 3's norm after attention and around the MLP (`sandwich_norms`)."""
-
-    def __init__(self, config: PretrainedConfig, family: Family, attention: AttentionBackend, shard: Shard):
-        super().__init__(config, family, attention, shard)
-        self.sandwich_norms = family.sandwich_norms
-        if family.sandwich_norms:  # post_attention_layernorm then normalizes attention's output
-            self.pre_feedforward_layernorm = family.norm(config.hidden_size, config.rms_norm_eps)
-            self.post_feedforward_layernorm = family.norm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, layer: int,
-                metadata: AttentionMetadata) -> Tensor:
-        if not self.sandwich_norms:  # Gemma: Llama's layer
-            return super().forward(x, cos, sin, kv_cache, layer, metadata)
-        attended = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer, metadata)
-        x = x + self.post_attention_layernorm(attended)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+from nanoserve.models.llama import LlamaForCausalLM, LlamaModel
 
 
 class GemmaModel(LlamaModel):
-    """Llama's model, with Gemma's layers, embeddings scaled by sqrt(hidden), and a RoPE per layer type. Its
+    """Llama's model, with embeddings scaled by sqrt(hidden) and a RoPE per layer type. Its
     `forward` is Llama's: attention's metadata once per step, then `run_layers`."""
-    decoder_layer = GemmaDecoderLayer
 
     def __init__(self, config: PretrainedConfig, family: Family, attention_backend: str, shard: Shard):
         super().__init__(config, family, attention_backend, shard)

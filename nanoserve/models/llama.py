@@ -105,29 +105,38 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, family: Family, attention: AttentionBackend, shard: Shard):
         super().__init__()
-        self.input_layernorm = family.norm(config.hidden_size, config.rms_norm_eps)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = family.norm(hidden, eps)
         self.self_attn = LlamaAttention(config, family, attention, shard)
-        self.post_attention_layernorm = family.norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = family.norm(hidden, eps)
         self.mlp = LlamaMLP(config, family, shard)
+        self.sandwich_norms = family.sandwich_norms
+        if family.sandwich_norms:  # Gemma 2 and 3: post_attention_layernorm then normalizes attention's output
+            self.pre_feedforward_layernorm = family.norm(hidden, eps)
+            self.post_feedforward_layernorm = family.norm(hidden, eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, layer: int,
                 metadata: AttentionMetadata) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer, metadata)
+        if not self.sandwich_norms:
+            x = x + attended
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # Gemma 2 and 3: a norm on each sublayer's output too
+        x = x + self.post_attention_layernorm(attended)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm: HF's `model.*` half of the checkpoint."""
-    decoder_layer = LlamaDecoderLayer  # models/gemma.py's adds Gemma 2's and 3's norms
 
     def __init__(self, config: PretrainedConfig, family: Family, attention_backend: str, shard: Shard):
         super().__init__()
         self.shard = shard
         self.embed_tokens = nn.Embedding(config.vocab_size // shard.size, config.hidden_size)  # a vocab range
-        # Scores are q . k / sqrt(head_dim); Gemma 2 and 3 divide by sqrt(query_pre_attn_scalar), Gemma 2 caps them
-        scale = (family.query_pre_attn_scalar or family.head_dim) ** -0.5
-        self.attention = BACKENDS[attention_backend](scale=scale, softcap=family.attn_logit_softcapping or 0.0)
-        self.layers = nn.ModuleList(self.decoder_layer(config, family, self.attention, shard)
+        # Gemma 2 caps the attention scores (0: not capped)
+        self.attention = BACKENDS[attention_backend](scale=family.attention_scale,
+                                                     softcap=family.attn_logit_softcapping or 0.0)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, family, self.attention, shard)
                                     for _ in range(config.num_hidden_layers))
         self.norm = family.norm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(family.head_dim, family.rope_parameters)
