@@ -20,8 +20,6 @@ def attend_softcapped(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float,
     scores = softcap(torch.einsum("bqhd,bkhd->bhqk", q, k) * scale, cap)  # [B, H, Sq, L]
     if is_causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    if mask is not None and mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    elif mask is not None:
-        scores = scores + mask
+    if mask is not None:  # bool: True where a key is seen; else added to the scores
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
