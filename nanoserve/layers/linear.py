@@ -76,13 +76,14 @@ def pack_linears(model: nn.Module, compiled_one_row: bool = False) -> nn.Module:
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or module.weight.device.type != "cpu":
             continue
-        layout = choose_linear(module.weight.dtype, compiled_one_row)
-        if layout == "column_major" and id(module.weight) in embeddings:
-            layout = "packed" if has_onednn(module.weight.dtype) else "row_major"
+        weight = module.weight
+        layout = choose_linear(weight.dtype, compiled_one_row)
+        if layout == "column_major" and id(weight) in embeddings:
+            layout = "packed" if has_onednn(weight.dtype) else "row_major"
         if layout == "column_major":
             # The same [out, in] weight, laid out as [in, out] in memory (strides (1, out)): on CPU in float32,
             # x @ weight.T is then MKL's plain (not transposed) GEMM, faster at one-row decode.
-            module.weight = nn.Parameter(module.weight.t().contiguous().t(), requires_grad=False)
+            module.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
         elif layout == "packed":
             model.set_submodule(name, PackedLinear(module))
     return model

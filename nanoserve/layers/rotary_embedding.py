@@ -20,7 +20,7 @@ def compute_inv_freq(params: dict, head_dim: int) -> Tensor:
         raise ValueError(f"unsupported rope_type {rope_type!r}: nanoserve implements 'default' and 'llama3'")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1.0 is not supported")
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
+    exponents = torch.arange(0, head_dim, 2, device="cpu") / head_dim  # float32: true division of int64
     inv_freq = 1.0 / (params["rope_theta"] ** exponents)  # [head_dim // 2]
     return inv_freq if rope_type == "default" else scale_llama3(inv_freq, params)
 

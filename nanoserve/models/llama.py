@@ -1,5 +1,6 @@
 """Llama, assembled from layers/ and attention.py. The families that share its layers run on it too.
-Each is described by a `Family` (families.py): Qwen2's bias on q, k and v, Qwen3's q/k norm, head_dim, ...
+Each is described by a `Family` (families.py): Qwen2's bias on q, k and v, Qwen3's q/k norm, head_dim,
+Gemma's norm class and activation, Gemma 2's and 3's sandwich norms, ... (models/gemma.py has the rest of Gemma's).
 
 The model sees one step's `Batch`: every scheduled request's new tokens laid end to end. So there is no
 batch dimension anywhere, only N tokens. Each layer projects them to q, k, v. It rotates q and k by their

@@ -152,7 +152,7 @@ def check_checkpoint(files: dict[str, Path], config: PretrainedConfig, used: set
 def read_tensor(files: dict[str, Path], name: str, dim: int | None, shard: Shard) -> torch.Tensor:
     """A checkpoint tensor, or only `shard`'s slice of it along `dim` (read from disk as a slice)."""
     with safe_open(files[name], framework="pt", device="cpu") as f:
-        if shard.size == 1 or dim is None:
+        if dim is None:
             return f.get_tensor(name)
         tensor = f.get_slice(name)
         part = shard.part(tensor.get_shape()[dim])
