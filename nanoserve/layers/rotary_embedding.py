@@ -7,8 +7,6 @@ long-context scaling). Angles are computed in float32 from each token's own posi
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
@@ -36,7 +34,7 @@ def scale_llama3(inv_freq: Tensor, params: dict) -> Tensor:
     """
     factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
     original = params["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
+    wavelen = 2 * torch.pi / inv_freq
     # smooth is 1 at the high-frequency edge (keep) and 0 at the low-frequency edge (scale)
     smooth = ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0)
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq

@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import partial
 
-import torch.nn.functional as F
+from torch.nn.functional import gelu, silu
 from transformers import PretrainedConfig
 
 from nanoserve.layers.layernorm import GemmaRMSNorm, RMSNorm
 from nanoserve.models import get_head_dim
 
 # The MLP's activation (`LlamaMLP`) of each `hidden_act` a MODELS row names, computed as transformers computes it
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
+ACTIVATIONS = {"silu": silu, "gelu_pytorch_tanh": partial(gelu, approximate="tanh")}
 
 
 @dataclass(frozen=True)
