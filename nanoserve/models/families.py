@@ -54,12 +54,6 @@ class Family:
             return None
         return self.sliding_window
 
-    @property
-    def attention_scale(self) -> float:
-        """What q . k is multiplied by before the softmax: 1 / sqrt(head_dim), or Gemma 2's and 3's
-        1 / sqrt(query_pre_attn_scalar)."""
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
-
 
 # What every Gemma differs in (models/gemma.py)
 GEMMA = dict(implementation="gemma", norm=GemmaRMSNorm, hidden_act="gelu_pytorch_tanh")

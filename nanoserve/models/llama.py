@@ -134,8 +134,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.shard = shard
         self.embed_tokens = nn.Embedding(config.vocab_size // shard.size, config.hidden_size)  # a vocab range
-        # Gemma 2 caps the attention scores (0: not capped)
-        self.attention = BACKENDS[attention_backend](scale=family.attention_scale,
+        # Scores are q . k / sqrt(head_dim); Gemma 2 and 3 divide by sqrt(query_pre_attn_scalar) instead.
+        # Gemma 2 caps them too (0: not capped).
+        self.attention = BACKENDS[attention_backend](scale=(family.query_pre_attn_scalar or family.head_dim) ** -0.5,
                                                      softcap=family.attn_logit_softcapping or 0.0)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, family, self.attention, shard)
                                     for _ in range(config.num_hidden_layers))
