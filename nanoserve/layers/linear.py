@@ -9,7 +9,7 @@ matrix. How fast the GEMM library does that depends on the weight's memory layou
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from nanoserve.device import has_onednn
 
@@ -21,13 +21,13 @@ LIBRARY.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int 
 
 
 @torch.library.impl(LIBRARY, "packed_linear", "CompositeExplicitAutograd")  # any backend: the weight is MkldnnCPU
-def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
-                  out_features: int) -> torch.Tensor:
+def packed_linear(x: Tensor, packed_weight: Tensor, bias: Tensor | None,
+                  out_features: int) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
 @torch.library.register_fake("nanoserve::packed_linear")
-def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def _(x: Tensor, packed_weight: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
     return x.new_empty(*x.shape[:-1], out_features)  # the shape the compiler traces: [..., out]
 
 
@@ -45,7 +45,7 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias  # [out] or None
         self.out_features = linear.out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         return torch.ops.nanoserve.packed_linear(x, self.packed_weight, self.bias, self.out_features)
 
 
@@ -76,13 +76,14 @@ def pack_linears(model: nn.Module, compiled_one_row: bool = False) -> nn.Module:
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or module.weight.device.type != "cpu":
             continue
-        layout = choose_linear(module.weight.dtype, compiled_one_row)
-        if layout == "column_major" and id(module.weight) in embeddings:
-            layout = "packed" if has_onednn(module.weight.dtype) else "row_major"
+        weight = module.weight
+        layout = choose_linear(weight.dtype, compiled_one_row)
+        if layout == "column_major" and id(weight) in embeddings:
+            layout = "packed" if has_onednn(weight.dtype) else "row_major"
         if layout == "column_major":
             # The same [out, in] weight, laid out as [in, out] in memory (strides (1, out)): on CPU in float32,
             # x @ weight.T is then MKL's plain (not transposed) GEMM, faster at one-row decode.
-            module.weight = nn.Parameter(module.weight.t().contiguous().t(), requires_grad=False)
+            module.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
         elif layout == "packed":
             model.set_submodule(name, PackedLinear(module))
     return model

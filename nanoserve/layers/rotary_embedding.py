@@ -7,25 +7,23 @@ long-context scaling). Angles are computed in float32 from each token's own posi
 """
 from __future__ import annotations
 
-import math
-
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 
-def compute_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
+def compute_inv_freq(params: dict, head_dim: int) -> Tensor:
     """One rotation frequency per pair of dims, `[head_dim // 2]`, for rope_type default or llama3."""
     rope_type = params.get("rope_type", "default")
     if rope_type not in ("default", "llama3"):
         raise ValueError(f"unsupported rope_type {rope_type!r}: nanoserve implements 'default' and 'llama3'")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1.0 is not supported")
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
+    exponents = torch.arange(0, head_dim, 2, device="cpu") / head_dim  # float32: true division of int64
     inv_freq = 1.0 / (params["rope_theta"] ** exponents)  # [head_dim // 2]
     return inv_freq if rope_type == "default" else scale_llama3(inv_freq, params)
 
 
-def scale_llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+def scale_llama3(inv_freq: Tensor, params: dict) -> Tensor:
     """Llama 3.1's long-context RoPE: slow down low frequencies by `factor`, keep high ones.
 
     - Wavelengths shorter than `original_max_position_embeddings / high_freq_factor` are kept.
@@ -36,7 +34,7 @@ def scale_llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     """
     factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
     original = params["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
+    wavelen = 2 * torch.pi / inv_freq
     # smooth is 1 at the high-frequency edge (keep) and 0 at the low-frequency edge (scale)
     smooth = ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0)
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
@@ -52,7 +50,7 @@ class RotaryEmbedding(nn.Module):
         # kept float32: angles at large positions need the precision.
         self.register_buffer("inv_freq", compute_inv_freq(rope_parameters, head_dim), persistent=False)  # [D/2]
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = positions[:, None, None].float() * self.inv_freq  # [N, 1, D/2]: the 1 broadcasts over heads
         cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)  # cast like HF does: q * cos runs in the model's dtype
         # HF's "rotate_half" layout: dim j pairs with dim j + D/2, so both halves share a frequency: cos is
@@ -60,7 +58,7 @@ class RotaryEmbedding(nn.Module):
         return cos.repeat(1, 1, 2), torch.cat((-sin, sin), -1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """Rotate each (j, j + D/2) pair of `x` `[N, heads, D]` by its token's angle (`[N, 1, D]` each).
     HF computes x * cos + cat(-x2, x1) * sin. Here roll(x, D/2) * [-sin, sin] gives the same products, bit
     for bit, since a sign flip is exact. It is one op per layer instead of chunk, neg and cat."""

@@ -7,8 +7,9 @@ import torch
 from torch import Tensor
 
 
-def softcap(x: Tensor, cap: float) -> Tensor:
-    return torch.tanh(x / cap) * cap
+def softcap(x: Tensor, cap: float | None) -> Tensor:
+    """x, capped where `cap` is not None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def attend_softcapped(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float, mask: Tensor | None,
@@ -18,9 +19,7 @@ def attend_softcapped(q: Tensor, k: Tensor, v: Tensor, scale: float, cap: float,
     k, v = (x.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for x in (k, v))  # [B, L, H, D]: kv head per q head
     scores = softcap(torch.einsum("bqhd,bkhd->bhqk", q, k) * scale, cap)  # [B, H, Sq, L]
     if is_causal:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    if mask is not None and mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    elif mask is not None:
-        scores = scores + mask
+        mask = torch.ones_like(scores[0, 0], dtype=torch.bool).tril()  # [Sq, L]
+    if mask is not None:  # bool: True where a key is seen; else added to the scores
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)

@@ -10,30 +10,37 @@ a new field here, read where llama.py builds the layer it changes (docs/models.m
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 
+from torch.nn.functional import gelu, silu
 from transformers import PretrainedConfig
 
+from nanoserve.layers.layernorm import GemmaRMSNorm, RMSNorm
 from nanoserve.models import get_head_dim
+
+# The MLP's activation (`LlamaMLP`) of each `hidden_act` a MODELS row names, computed as transformers computes it
+ACTIVATIONS = {"silu": silu, "gelu_pytorch_tanh": partial(gelu, approximate="tanh")}
 
 
 @dataclass(frozen=True)
 class Family:
     """A MODELS row sets the fields that are the same for every checkpoint of the architecture.
-    They are architecture, qkv_bias, qk_norm, implementation, hidden_act and sandwich_norms. `describe`
+    They are architecture, qkv_bias, qk_norm, implementation, norm, hidden_act and sandwich_norms. `describe`
     fills in the rest from one checkpoint's config.json."""
     architecture: str  # config.json's `architectures` entry, e.g. "Qwen3ForCausalLM"
     qkv_bias: bool = False  # q, k and v projections have a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and of k, before RoPE (Qwen3)
     head_dim: int = 0  # each attention head's size (`get_head_dim`)
     tie_word_embeddings: bool = False  # lm_head is the embedding matrix (not stored in the checkpoint)
-    # rope_type ("default" or "llama3"), rope_theta and llama3's scaling (layers/rotary_embedding.py)
+    # rope_type ("default" or "llama3"), rope_theta and llama3's scaling (layers/rotary_embedding.py).
+    # Gemma 3's config.json holds one per layer type: this is its full-attention layers' (models/gemma.py).
     rope_parameters: dict = field(default_factory=dict, hash=False)
     sliding_window: int | None = None  # attention sees only the last this-many tokens; None: the whole context
     # Gemma's differences (models/gemma.py)
     implementation: str = "llama"  # the models/ module that builds it: "llama" or "gemma"
-    hidden_act: str = "silu"  # the MLP's activation, which config.json must name
+    norm: type[RMSNorm] = RMSNorm  # every norm's class, q/k norm included: Gemma's scales by 1 + weight
+    hidden_act: str = "silu"  # the MLP's activation (in ACTIVATIONS), which config.json must name
     sandwich_norms: bool = False  # a norm after attention and after the MLP too, and one before the MLP (Gemma 2, 3)
     layer_types: tuple[str, ...] = ()  # "sliding_attention" or "full_attention" per layer; () where config has none
     query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power (else head_dim's)
@@ -48,17 +55,17 @@ class Family:
         return self.sliding_window
 
 
+# What every Gemma differs in (models/gemma.py)
+GEMMA = dict(implementation="gemma", norm=GemmaRMSNorm, hidden_act="gelu_pytorch_tanh")
 # The architectures nanoserve runs, as in vLLM's registry: all are Llama's layers, with these differences.
 MODELS: dict[str, Family] = {
     "LlamaForCausalLM": Family("LlamaForCausalLM"),
     "MistralForCausalLM": Family("MistralForCausalLM"),  # a sliding window, if any, is `describe`'s
     "Qwen2ForCausalLM": Family("Qwen2ForCausalLM", qkv_bias=True),
     "Qwen3ForCausalLM": Family("Qwen3ForCausalLM", qk_norm=True),
-    "GemmaForCausalLM": Family("GemmaForCausalLM", implementation="gemma", hidden_act="gelu_pytorch_tanh"),
-    "Gemma2ForCausalLM": Family("Gemma2ForCausalLM", implementation="gemma", hidden_act="gelu_pytorch_tanh",
-                                sandwich_norms=True),
-    "Gemma3ForCausalLM": Family("Gemma3ForCausalLM", qk_norm=True, implementation="gemma",
-                                hidden_act="gelu_pytorch_tanh", sandwich_norms=True),
+    "GemmaForCausalLM": Family("GemmaForCausalLM", **GEMMA),
+    "Gemma2ForCausalLM": Family("Gemma2ForCausalLM", sandwich_norms=True, **GEMMA),
+    "Gemma3ForCausalLM": Family("Gemma3ForCausalLM", qk_norm=True, sandwich_norms=True, **GEMMA),
 }
 
 
@@ -75,17 +82,18 @@ def describe(config: PretrainedConfig) -> Family:
     if hidden_act != family.hidden_act:
         raise ValueError(f"unsupported hidden_act {hidden_act!r}: nanoserve's {family.architecture} runs "
                          f"{family.hidden_act!r}")
-    # Gemma 3's rope_parameters hold one dict per layer type; Gemma 2's and 3's soft-capping may be None
+    # Gemma 2's and 3's soft-capping may be None
     gemma = {name: getattr(config, name, None)
              for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")}
     if family.architecture == "Gemma3ForCausalLM":  # transformers' Gemma 3 never caps attention scores
         gemma["attn_logit_softcapping"] = None
+    rope = config.rope_parameters  # Gemma 3's map a layer type to its own
     # Qwen2's and Qwen3's configs set sliding_window to None where use_sliding_window is false
-    return dataclasses.replace(family, head_dim=get_head_dim(config),
-                               tie_word_embeddings=config.tie_word_embeddings,
-                               rope_parameters=dict(config.rope_parameters),
-                               sliding_window=getattr(config, "sliding_window", None),
-                               layer_types=tuple(getattr(config, "layer_types", None) or ()), **gemma)
+    return replace(family, head_dim=get_head_dim(config),
+                   tie_word_embeddings=config.tie_word_embeddings,
+                   rope_parameters=dict(rope.get("full_attention", rope)),
+                   sliding_window=getattr(config, "sliding_window", None),
+                   layer_types=tuple(getattr(config, "layer_types", None) or ()), **gemma)
 
 
 def check_max_model_len(config: PretrainedConfig, max_model_len: int) -> None:

@@ -1,5 +1,6 @@
 """Llama, assembled from layers/ and attention.py. The families that share its layers run on it too.
-Each is described by a `Family` (families.py): Qwen2's bias on q, k and v, Qwen3's q/k norm, head_dim, ...
+Each is described by a `Family` (families.py): Qwen2's bias on q, k and v, Qwen3's q/k norm, head_dim,
+Gemma's norm class and activation, Gemma 2's and 3's sandwich norms, ... (models/gemma.py has the rest of Gemma's).
 
 The model sees one step's `Batch`: every scheduled request's new tokens laid end to end. So there is no
 batch dimension anywhere, only N tokens. Each layer projects them to q, k, v. It rotates q and k by their
@@ -23,16 +24,16 @@ Invariants:
 """
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from nanoserve.attention import BACKENDS, AttentionBackend, AttentionMetadata
 from nanoserve.batch import Batch
 from nanoserve.distributed import Shard, all_reduce, embed, gather_on_rank0
-from nanoserve.layers.layernorm import RMSNorm, norm_heads
+from nanoserve.layers.layernorm import norm_heads
 from nanoserve.layers.rotary_embedding import RotaryEmbedding, apply_rope
-from nanoserve.models.families import Family
+from nanoserve.layers.softcap import softcap
+from nanoserve.models.families import ACTIVATIONS, Family
 
 # How the checkpoint's modules become ours, one row per checkpoint module (Hugging Face's name):
 # (our module, the dim tensor parallelism splits its weight on). Several checkpoint modules naming
@@ -66,7 +67,7 @@ class LlamaAttention(nn.Module):
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim  # [q; k; v] of this rank's heads
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=family.qkv_bias)
         if family.qk_norm:  # the checkpoint's q_norm and k_norm: a `[head_dim]` weight each, shared by all heads
-            self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
+            self.q_norm, self.k_norm = family.norm(head_dim, eps), family.norm(head_dim, eps)
         self.o_proj = nn.Linear(self.num_heads * head_dim, config.hidden_size, bias=False)  # this rank's heads in
         self.attention = attention  # the model's one backend, shared by every layer
 
@@ -86,32 +87,44 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one matmul."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one matmul. Gemma's GeGLU has gelu for silu
+    (`family.hidden_act`)."""
 
-    def __init__(self, config: PretrainedConfig, shard: Shard):
+    def __init__(self, config: PretrainedConfig, family: Family, shard: Shard):
         super().__init__()
         self.shard = shard
+        self.act = ACTIVATIONS[family.hidden_act]
         intermediate = config.intermediate_size // shard.size  # this rank's hidden units
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, intermediate] each
-        return all_reduce(self.down_proj(F.silu(gate) * up), self.shard)  # the sum over every rank's units
+        return all_reduce(self.down_proj(self.act(gate) * up), self.shard)  # the sum over every rank's units
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, family: Family, attention: AttentionBackend, shard: Shard):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = family.norm(hidden, eps)
         self.self_attn = LlamaAttention(config, family, attention, shard)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, shard)
+        self.post_attention_layernorm = family.norm(hidden, eps)
+        self.mlp = LlamaMLP(config, family, shard)
+        self.sandwich_norms = family.sandwich_norms
+        if family.sandwich_norms:  # Gemma 2 and 3: post_attention_layernorm then normalizes attention's output
+            self.pre_feedforward_layernorm = family.norm(hidden, eps)
+            self.post_feedforward_layernorm = family.norm(hidden, eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, layer: int,
                 metadata: AttentionMetadata) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer, metadata)
+        if not self.sandwich_norms:
+            x = x + attended
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # Gemma 2 and 3: a norm on each sublayer's output too
+        x = x + self.post_attention_layernorm(attended)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaModel(nn.Module):
@@ -121,10 +134,13 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.shard = shard
         self.embed_tokens = nn.Embedding(config.vocab_size // shard.size, config.hidden_size)  # a vocab range
-        self.attention = BACKENDS[attention_backend](scale=family.head_dim ** -0.5)
+        # Scores are q . k / sqrt(head_dim); Gemma 2 and 3 divide by sqrt(query_pre_attn_scalar) instead.
+        # Gemma 2 caps them too (0: not capped).
+        self.attention = BACKENDS[attention_backend](scale=(family.query_pre_attn_scalar or family.head_dim) ** -0.5,
+                                                     softcap=family.attn_logit_softcapping or 0.0)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, family, self.attention, shard)
                                     for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = family.norm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(family.head_dim, family.rope_parameters)
 
     def forward(self, batch: Batch, kv_cache: Tensor) -> Tensor:
@@ -159,11 +175,13 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.vocab_size = config.vocab_size
         self.model = self.model_class(config, family, attention_backend, shard)
-        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # in this rank's KV cache: its layers'
+        self.num_kv_heads = config.num_key_value_heads // shard.size  # in this rank's KV cache: its layers'
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // shard.size, bias=False)  # a vocab range
+        # Gemma 2 caps its logits (layers/softcap.py), None for the others; the decode graphs read it too
+        self.final_logit_softcapping = family.final_logit_softcapping
 
     def forward(self, batch: Batch, kv_cache: Tensor) -> Tensor | None:
         """Logits `[S, vocab]` float32, or None on a tensor-parallel worker (rank 0 samples).
         kv_cache is `[2, num_layers, num_blocks, block_size, Hkv, D]`."""
         logits = gather_on_rank0(self.lm_head(self.model(batch, kv_cache)), self.shard)
-        return None if logits is None else logits.float()
+        return None if logits is None else softcap(logits.float(), self.final_logit_softcapping)

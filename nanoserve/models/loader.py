@@ -60,12 +60,13 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
              if not (name == "lm_head.weight" and tied)}
     files = index_checkpoint(folder)
     check_checkpoint(files, config, {part for param_parts in parts.values() for part, _ in param_parts})
+    weights = {}
     for name, param_parts in parts.items():
         # A fused parameter stacks its checkpoint tensors on the output dim, e.g. q, k, v
         tensor = torch.cat([read_tensor(files, part, dim, shard) for part, dim in param_parts])
-        module_name, _, leaf = name.rpartition(".")
-        weight = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
-        setattr(model.get_submodule(module_name), leaf, weight)
+        weights[name] = tensor.to(device=device, dtype=dtype)
+    # assign: the checkpoint's tensors become the parameters (a meta parameter has no memory to copy into)
+    model.requires_grad_(False).load_state_dict(weights, strict=False, assign=True)  # a tied lm_head is not in it
     if tied:  # lm_head.weight is the embedding matrix, not a copy
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device).eval()  # .to moves the RoPE cache; parameters are already there
@@ -151,7 +152,7 @@ def check_checkpoint(files: dict[str, Path], config: PretrainedConfig, used: set
 def read_tensor(files: dict[str, Path], name: str, dim: int | None, shard: Shard) -> torch.Tensor:
     """A checkpoint tensor, or only `shard`'s slice of it along `dim` (read from disk as a slice)."""
     with safe_open(files[name], framework="pt", device="cpu") as f:
-        if shard.size == 1 or dim is None:
+        if dim is None:
             return f.get_tensor(name)
         tensor = f.get_slice(name)
         part = shard.part(tensor.get_shape()[dim])
