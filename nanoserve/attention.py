@@ -48,18 +48,10 @@ from nanoserve.batch import Batch
 from nanoserve.config import cdiv
 from nanoserve.device import upload
 from nanoserve.flash_backend import FlashBackend, why_not_flash
+from nanoserve.kv_cache import store_kvcache
 from nanoserve.layers.softcap import attend_softcapped
 from nanoserve.sliding_window import window_bias, window_mask
 from nanoserve.triton_backend import TritonBackend, TritonMetadata, choose_backend
-
-
-def store_kvcache(k: Tensor, v: Tensor, k_cache: Tensor,
-                  v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Write token i's k, v (`[N, num_kv_heads, head_dim]`) into flat slot `slot_mapping[i]`."""
-    for new, cache in (k, k_cache), (v, v_cache):
-        # [num_blocks * block_size, num_kv_heads, head_dim]: one row per slot, a view, so writes land in the cache
-        cache.view(-1, *new.shape[1:]).index_copy_(0, slot_mapping, new)
-
 
 # ----------------------------------------------------------------------------- the torch backend
 

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from nanoserve.batch import Batch
+from nanoserve.kv_cache import store_kvcache
 from nanoserve.sliding_window import flash_window_size
 
 
@@ -30,7 +31,6 @@ class FlashBackend:
         """q `[N, H, D]`, k, v `[N, Hkv, D]` -> `[N, H, D]`. With a sliding window, each query sees only the
         last `window` keys. `slot_mapping` goes to the store only. flash-attn finds every key, new ones
         included, through `block_tables`."""
-        from nanoserve.attention import store_kvcache  # here: attention.py imports this module at its top
         k_cache, v_cache = kv_cache[:, layer]  # this layer's [num_blocks, block_size, Hkv, D] each
         store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
         # what both kernels take alike: request b's keys are in blocks block_tables[b]

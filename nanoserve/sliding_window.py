@@ -3,7 +3,6 @@ keys at positions p - w + 1, ..., p (its own included), as transformers' sliding
 without a window (`None`) sees the whole context. The attention backends call these helpers per layer: the
 step's plan is shared by every layer, and a model may mix windowed and global layers.
 """
-from __future__ import annotations
 
 import torch
 from torch import Tensor

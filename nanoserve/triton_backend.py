@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from nanoserve.batch import Batch
+from nanoserve.kv_cache import store_kvcache
 
 
 class TritonMetadata(NamedTuple):
@@ -42,7 +43,6 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: i
     k_cache, v_cache = kv_cache[:, layer]  # views taken inside the op: it declares the whole cache mutated
     # Imported only when run. Triton reads TRITON_INTERPRET as the kernel is defined. And attention.py
     # imports this module, so this module cannot import attention.py at its top.
-    from nanoserve.attention import store_kvcache
     from nanoserve.kernels.triton_attention import paged_attention
     store_kvcache(k, v, k_cache, v_cache, slot_mapping)
     return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, softcap, window)
@@ -57,7 +57,7 @@ def _(q: Tensor, *rest: Tensor | float) -> Tensor:
 
 class TritonBackend:
     """The Triton kernel on CUDA (or under TRITON_INTERPRET=1). Each layer runs the store of
-    attention.store_kvcache, then one attention launch."""
+    kv_cache.store_kvcache, then one attention launch."""
 
     def __init__(self, scale: float, softcap: float = 0.0) -> None:
         self.scale, self.softcap = scale, softcap  # softcap: Gemma 2's, 0 for none (kernels/triton_attention.py)

@@ -2,7 +2,6 @@
 So float32 results are bit-identical, and bfloat16 ones round the same way. `norm_heads` is Qwen3's
 q/k norm, the same RMSNorm over each attention head. `GemmaRMSNorm` is Gemma's. It scales by
 (1 + weight), in float32."""
-from __future__ import annotations
 
 import torch
 from torch import Tensor, nn

@@ -6,7 +6,6 @@ Why the choice matters on a CPU: a decode step multiplies a few rows of activati
 matrix. How fast the GEMM library does that depends on the weight's memory layout. (docs/performance.md,
 "Where a decode step's time goes", has the measured figures.)
 """
-from __future__ import annotations
 
 import torch
 from torch import Tensor, nn

@@ -5,7 +5,6 @@ Hugging Face's "rotate_half" layout: dim j pairs with dim j + D/2. The angles co
 checkpoint's `rope_parameters` (config.json): rope_type "default", or "llama3" (Llama 3.1's
 long-context scaling). Angles are computed in float32 from each token's own position, every step.
 """
-from __future__ import annotations
 
 import torch
 from torch import Tensor, nn

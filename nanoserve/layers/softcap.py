@@ -1,7 +1,6 @@
 """Soft-capping (Gemma 2): x becomes tanh(x / cap) * cap, which keeps x between -cap and cap and leaves small x
 almost as they are. Gemma 2 caps its attention scores before the mask and softmax, and its final logits.
 SDPA has no such step, so `attend_softcapped` writes attention out in plain PyTorch for the torch backend."""
-from __future__ import annotations
 
 import torch
 from torch import Tensor

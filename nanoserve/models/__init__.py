@@ -11,7 +11,6 @@ docs/models.md, "Adding a family", says how to add a model family. In short:
 Only values every family's config has are read as such (head_dim: `get_head_dim`). The loader refuses
 a checkpoint tensor the model leaves unread.
 """
-from __future__ import annotations
 
 from transformers import PretrainedConfig
 

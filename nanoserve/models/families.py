@@ -8,7 +8,6 @@ sliding window.
 A family that differs from Llama only in these fields is one row in `MODELS`. A new kind of difference is
 a new field here, read where llama.py builds the layer it changes (docs/models.md, "Adding a family").
 """
-from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import partial

@@ -16,7 +16,6 @@ sliding layers' base is lower).
 Each layer's attention gets its own window, as every family's does (`Family.layer_window`, in llama.py).
 A full-attention layer's is None.
 """
-from __future__ import annotations
 
 import torch
 from torch import Tensor, nn

@@ -22,7 +22,6 @@ Invariants:
 - With tensor parallelism (distributed.py) a model holds one rank's shard. That is 1/size of the heads,
   of the MLP units and of the vocabulary. `all_reduce` after o_proj and down_proj sums the ranks' parts.
 """
-from __future__ import annotations
 
 from torch import Tensor, nn
 from transformers import PretrainedConfig

@@ -14,7 +14,6 @@ Invariants:
 - After loading, each linear layer gets the implementation this device runs fastest (layers/linear.py).
   Or it gets the weight transform's (seams.py): an int8 weight with `quantization` (extensions/quantization.py).
 """
-from __future__ import annotations
 
 import json
 from pathlib import Path
