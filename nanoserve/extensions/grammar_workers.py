@@ -57,7 +57,10 @@ class Refused(NamedTuple):
 
 def serve(fd: int) -> None:
     """The child's loop (`python -c`, the socket's fd given). It reads a Start. Then, until the parent closes
-    the socket, it takes one spec in and sends one Compiled or Refused out."""
+    the socket, it takes one spec in and sends one Compiled or Refused out.
+
+    A grammar that allows no output at all is refused, before any request runs. (`root ::= root` is one: its
+    language is empty.) Its first mask, over the whole vocabulary, allows no token."""
     import xgrammar as xgr
 
     conn = Connection(fd)
@@ -73,7 +76,12 @@ def serve(fd: int) -> None:
         except EOFError:  # the parent closed the pipe, or died
             return
         try:
-            conn.send(Compiled(compile_checked(compiler, parse_grammar(spec))))
+            compiled = compiler.compile_grammar(parse_grammar(spec))
+            bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+            xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+            if not bitmask.any():
+                refuse("allows no output: its language is empty")
+            conn.send(Compiled(compiled.serialize_json()))
         except InvalidRequest as error:
             conn.send(Refused(str(error)))
         except (RuntimeError, ValueError, TypeError, MemoryError) as error:  # xgrammar's, or out of memory
@@ -100,18 +108,6 @@ def parse_grammar(spec: Any) -> Any:
         return xgr.Grammar.from_ebnf(spec.grammar)
     except (RuntimeError, ValueError, TypeError) as error:  # xgrammar raises RuntimeError for a bad spec
         refuse(f"is not a valid grammar: {error}")
-
-
-def compile_checked(compiler: Any, grammar: Any) -> str:
-    """The grammar's token masks over the vocabulary, as JSON. A grammar that allows no output at all is an
-    InvalidRequest, before any request runs. (`root ::= root` is one: its language is empty.)"""
-    import xgrammar as xgr
-    compiled = compiler.compile_grammar(grammar)
-    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
-    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
-    if not bitmask.any():
-        refuse("allows no output: its language is empty")
-    return compiled.serialize_json()
 
 
 def limit_memory(num_bytes: int) -> None:
