@@ -8,9 +8,9 @@ grammar, so a process that serves no grammar never starts one. Why a new interpr
 - Unlike multiprocessing's spawn, it never re-runs the caller's script. A script without
   `if __name__ == "__main__"` would not survive that.
 
-Parent and child talk over a socket pair, one message at a time, each a class:
+Parent and child talk over a socket pair (multiprocessing's Pipe), one message at a time, each a class:
     parent: Start(tokenizer_info_json, memory_bytes)  ->  child: Ready
-    parent: Job(spec)  ->  child: Compiled(grammar_json) | Refused(message)
+    parent: spec (a StructuredOutputsParams)  ->  child: Compiled(grammar_json) | Refused(message)
 The compiled grammar comes as xgrammar's own JSON (`CompiledGrammar.serialize_json`). It is read back
 against the parent's TokenizerInfo. A child may die (its pipe ends) or answer past `seconds`. Then it is
 killed, and replaced at the next job. The job's request gets an InvalidRequest naming structured_outputs.
@@ -20,14 +20,13 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from nanoserve.extensions.grammar_bounds import refuse
 from nanoserve.sampling_params import InvalidRequest
 
 COMPILE_SECONDS = 30.0     # one parse and compile in a child; past it, the child is killed
@@ -36,39 +35,32 @@ MEMORY_BYTES = 4 * 2**30   # what a child may allocate past its start (address s
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # where the child imports nanoserve from
 
 
-@dataclass(frozen=True)
-class Start:
+class Start(NamedTuple):
     """The child's setup: the vocabulary (xgrammar's TokenizerInfo as JSON) and its memory limit."""
     tokenizer_info_json: str
     memory_bytes: int
 
 
-@dataclass(frozen=True)
-class Job:
-    """Parse spec (a StructuredOutputsParams) and compile it."""
-    spec: Any
+class Ready(NamedTuple):
+    """The child has started and reads jobs: specs, each a StructuredOutputsParams to parse and compile."""
 
 
-@dataclass(frozen=True)
-class Ready:
-    """The child has started and reads jobs."""
-
-
-@dataclass(frozen=True)
-class Compiled:
+class Compiled(NamedTuple):
     """The compiled grammar as xgrammar's JSON."""
     grammar_json: str
 
 
-@dataclass(frozen=True)
-class Refused:
+class Refused(NamedTuple):
     """The spec is not a grammar this server can follow: the message names why."""
     message: str
 
 
 def serve(fd: int) -> None:
     """The child's loop (`python -c`, the socket's fd given). It reads a Start. Then, until the parent closes
-    the socket, it takes one Job in and sends one Compiled or Refused out."""
+    the socket, it takes one spec in and sends one Compiled or Refused out.
+
+    A grammar that allows no output at all is refused, before any request runs. (`root ::= root` is one: its
+    language is empty.) Its first mask, over the whole vocabulary, allows no token."""
     import xgrammar as xgr
 
     conn = Connection(fd)
@@ -80,12 +72,16 @@ def serve(fd: int) -> None:
     conn.send(Ready())
     while True:
         try:
-            job = conn.recv()
+            spec = conn.recv()
         except EOFError:  # the parent closed the pipe, or died
             return
         try:
-            grammar = parse_grammar(job.spec)
-            conn.send(Compiled(compile_checked(compiler, grammar)))
+            compiled = compiler.compile_grammar(parse_grammar(spec))
+            bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+            xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+            if not bitmask.any():
+                refuse("allows no output: its language is empty")
+            conn.send(Compiled(compiled.serialize_json()))
         except InvalidRequest as error:
             conn.send(Refused(str(error)))
         except (RuntimeError, ValueError, TypeError, MemoryError) as error:  # xgrammar's, or out of memory
@@ -111,19 +107,7 @@ def parse_grammar(spec: Any) -> Any:
                                                                   for c in spec.choice))
         return xgr.Grammar.from_ebnf(spec.grammar)
     except (RuntimeError, ValueError, TypeError) as error:  # xgrammar raises RuntimeError for a bad spec
-        raise InvalidRequest("structured_outputs", f"structured_outputs is not a valid grammar: {error}") from None
-
-
-def compile_checked(compiler: Any, grammar: Any) -> str:
-    """The grammar's token masks over the vocabulary, as JSON. A grammar that allows no output at all is an
-    InvalidRequest, before any request runs. (`root ::= root` is one: its language is empty.)"""
-    import xgrammar as xgr
-    compiled = compiler.compile_grammar(grammar)
-    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
-    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
-    if not bitmask.any():
-        raise InvalidRequest("structured_outputs", "structured_outputs allows no output: its language is empty")
-    return compiled.serialize_json()
+        refuse(f"is not a valid grammar: {error}")
 
 
 def limit_memory(num_bytes: int) -> None:
@@ -131,8 +115,7 @@ def limit_memory(num_bytes: int) -> None:
     Linux can; macOS ignores RLIMIT_AS. Past it, xgrammar's allocation fails (MemoryError), or the child
     dies, alone."""
     try:
-        with open("/proc/self/statm") as statm:
-            in_use = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        in_use = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
         resource.setrlimit(resource.RLIMIT_AS, (in_use + num_bytes, resource.getrlimit(resource.RLIMIT_AS)[1]))
     except (OSError, ValueError):
         pass
@@ -144,47 +127,45 @@ class GrammarWorker:
     def __init__(self, tokenizer_info_json: str, memory_bytes: int) -> None:
         self.setup = Start(tokenizer_info_json, memory_bytes)  # the child's first message
         self.seconds = COMPILE_SECONDS
-        self.process: subprocess.Popen | None = None
-        self.conn: Connection | None = None
-        self.job: Job | None = None  # the job the child works on now
+        self.process = None  # a subprocess.Popen once started
+        self.conn = None  # our end of its socket, a Connection
+        self.job = None  # the spec the child works on now
 
     def start(self) -> None:
         """Start the child, unless it runs, and wait until it reads jobs."""
         if self.process is not None and self.process.poll() is None:
             return
         self.stop()
-        ours, child_end = socket.socketpair()
+        ours, child_end = Pipe()
         path = os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
         code = f"from nanoserve.extensions.grammar_workers import serve; serve({child_end.fileno()})"
         self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[child_end.fileno()],
                                         stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": path})
         child_end.close()  # the parent's copy: the child's death then ends the socket (EOFError)
-        self.conn = Connection(ours.detach())
+        self.conn = ours
         self.conn.send(self.setup)
         if not self.conn.poll(START_SECONDS) or not isinstance(self.receive(), Ready):
             self.stop()
             raise RuntimeError("the grammar worker process did not start")
 
-    def run(self, job: Job) -> str:
-        """The job's compiled grammar JSON. It raises an InvalidRequest in three cases:
+    def run(self, spec: Any) -> str:
+        """spec's compiled grammar JSON. It raises an InvalidRequest in three cases:
         - the child refused the spec;
         - the child died on it (then it is replaced at the next job);
         - the child ran past `seconds` (then it is killed)."""
         self.start()
-        self.conn.send(job)
-        self.job = job
+        self.conn.send(spec)
+        self.job = spec
         answered = self.conn.poll(self.seconds)
         self.job = None
         if not answered:
             self.stop()
-            raise InvalidRequest("structured_outputs", f"structured_outputs took over {self.seconds} s to compile, "
-                                                       "this server's limit")
+            refuse(f"took over {self.seconds} s to compile, this server's limit")
         reply = self.receive()
         if reply is None:
             exit_code = self.process.wait()
             self.stop()
-            raise InvalidRequest("structured_outputs", f"structured_outputs crashed the grammar compiler (its "
-                                                       f"process ended with exit code {exit_code})")
+            refuse(f"crashed the grammar compiler (its process ended with exit code {exit_code})")
         if isinstance(reply, Refused):
             raise InvalidRequest("structured_outputs", reply.message)
         return reply.grammar_json
@@ -197,9 +178,8 @@ class GrammarWorker:
             return None
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
+        if self.process is not None:
+            self.process.kill()  # nothing if it has ended
             self.process.wait()
-        if self.conn is not None:
             self.conn.close()
         self.process, self.conn = None, None

@@ -29,16 +29,16 @@ import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import Collection
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from nanoserve.extensions.grammar_bounds import MAX_BYTES, MAX_DEPTH, check_bounds, read_json
-from nanoserve.extensions.grammar_workers import MEMORY_BYTES, GrammarWorker, Job
-from nanoserve.sampling_params import GrammarSpec, InvalidRequest, require
+from nanoserve.extensions.grammar_bounds import MAX_BYTES, MAX_DEPTH, check_bounds, read_json, refuse
+from nanoserve.extensions.grammar_workers import MEMORY_BYTES, GrammarWorker
+from nanoserve.sampling_params import GrammarSpec, require
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -73,8 +73,7 @@ class StructuredOutputsParams(GrammarSpec):
 
     def __post_init__(self) -> None:
         # given: anything but None (json={} is the schema of any JSON), and json_object only when True
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, name) not in (None, False)]
+        given = [option.name for option in fields(self) if getattr(self, option.name) not in (None, False)]
         require(len(given) == 1, "structured_outputs", given, "one of json, regex, choice, grammar, json_object")
         schema_text = isinstance(self.json, str) and isinstance(read_json(self.json), (dict, bool))
         require(self.json is None or isinstance(self.json, dict) or schema_text, "structured_outputs", self.json,
@@ -100,7 +99,7 @@ class RequestGrammar:
 
     def __init__(self, compiled: Future) -> None:
         self.compiled = compiled
-        self.matcher: Any = None  # made at the first token: the compiled grammar is ready by then
+        self.matcher = None  # xgrammar's GrammarMatcher, made at the first token: the compiled grammar is ready by then
 
     @property
     def ready(self) -> bool:
@@ -129,7 +128,6 @@ class RequestGrammar:
             if not self.start().accept_token(token):
                 return RuntimeError(f"structured_outputs: the grammar refused token {token}, which its mask allowed")
             check_time(perf_counter() - started, "accept a token")
-            return None
         except Exception as error:  # a compile that failed (compiled.result() raises), a matcher that fails
             return error
 
@@ -172,12 +170,12 @@ class GrammarCompiler:
         self.max_bytes, self.max_depth, self.memory_bytes = MAX_BYTES, MAX_DEPTH, memory_bytes
         self.lane = Lane(ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar"))
         self.small_lane = Lane(ThreadPoolExecutor(SMALL_LANE_THREADS, thread_name_prefix="grammar-small"))
-        self.tokenizer_info: Any = None  # xgrammar's, made at the first compile (reading the vocabulary takes ~0.5 s)
-        self.workers: dict[str, GrammarWorker] = {}  # a compile thread's name -> its worker process
-        self.started: list[Future] = []  # `start_workers`
-        self.cache: OrderedDict[str, Future] = OrderedDict()
-        self.waiters: Counter[str] = Counter()  # spec key -> requests waiting for its compile (`submit`'s waiting)
-        self.sizes: dict[str, int] = {}  # spec key -> bytes its compiled grammar holds (`compile_now`)
+        self.tokenizer_info = None  # xgrammar's, made at the first compile (reading the vocabulary takes ~0.5 s)
+        self.workers = {}  # a compile thread's name -> its GrammarWorker
+        self.started = []  # the Futures of `start_workers`
+        self.cache = OrderedDict()  # spec key -> the Future of its compile, the least recently asked for first
+        self.waiters = Counter()  # spec key -> requests waiting for its compile (`submit`'s waiting)
+        self.sizes = {}  # spec key -> bytes its compiled grammar holds (`compile_now`)
         self.lock = threading.RLock()  # over cache, waiters, tokenizer_info and workers: engine and server threads
         self.cache_bytes = CACHE_BYTES
 
@@ -214,14 +212,14 @@ class GrammarCompiler:
             future = self.cache.get(key)
             if future is None or failure(future) is not None:
                 lane = self.small_lane if len(key) <= SMALL_SPEC_CHARS else self.lane
-                self.cache[key] = Future()
-                lane.queues.setdefault(client, deque()).append((spec, self.cache[key]))
+                future = self.cache[key] = Future()
+                lane.queues.setdefault(client, deque()).append((spec, future))
                 lane.pool.submit(self.take_turn, lane)  # one turn per compile queued
             self.cache.move_to_end(key)
             self.evict()  # sizes are known once compiled: each submit evicts for those done since the last
             if waiting:
                 self.waiters[key] += 1
-            return self.cache[key]
+            return future  # the newest in the cache, so evict keeps it
 
     def take_turn(self, lane: Lane) -> None:
         """In a compile thread: the oldest compile of the client whose turn it is; that client then goes last.
@@ -249,7 +247,7 @@ class GrammarCompiler:
         """Check the spec is within the bounds (grammar_bounds.py), else raise an InvalidRequest.
         Then make its key (memoized)."""
         if self.tokenizer is None:
-            raise InvalidRequest("structured_outputs", "structured_outputs needs the model's tokenizer")
+            refuse("needs the model's tokenizer")
         check_bounds(vars(spec), self.max_bytes, self.max_depth)  # its fields by name
         spec.key  # noqa: B018 (made here, where it costs no one a wait)
 
@@ -265,10 +263,9 @@ class GrammarCompiler:
             if self.waiters[key] == 0:
                 del self.waiters[key]
                 future = self.cache.get(key)
-                if future is not None and future.cancel():  # False once started
-                    del self.cache[key]
-                elif future is not None and not future.done():
-                    future.add_done_callback(lambda done: self.drop(key, done))
+                if future is not None and not future.done():
+                    future.cancel()  # False once started: then it runs on, and is dropped once done
+                    future.add_done_callback(lambda done: self.drop(key, done))  # at once if cancelled
 
     def drop(self, key: str, future: Future) -> None:
         """Drop a compile that every waiter left while it ran, unless a request asked for it since."""
@@ -316,7 +313,7 @@ class GrammarCompiler:
         Its size for the cache is its JSON's length: xgrammar's memory_size_bytes undercounts. A schema of 30
         `format: email` strings reported 1.4 MiB; each copy read back held 24 MiB, and its JSON was 24.6 MiB."""
         import xgrammar as xgr
-        grammar_json = self.worker().run(Job(spec))
+        grammar_json = self.worker().run(spec)
         compiled = xgr.CompiledGrammar.deserialize_json(grammar_json, self.tokenizer_info)
         with self.lock:
             self.sizes[spec.key] = max(len(grammar_json), compiled.memory_size_bytes)
@@ -332,8 +329,7 @@ class GrammarCompiler:
 def check_time(seconds: float, what: str) -> None:
     """A grammar's work in one step took `seconds`: past STEP_SECONDS, an InvalidRequest that fails its request."""
     if seconds > STEP_SECONDS:
-        raise InvalidRequest("structured_outputs", f"structured_outputs took {seconds:.2f} s to {what}, over this "
-                                                   f"server's limit of {STEP_SECONDS} s per token")
+        refuse(f"took {seconds:.2f} s to {what}, over this server's limit of {STEP_SECONDS} s per token")
 
 
 def failure(future: Future) -> BaseException | None:
@@ -348,19 +344,16 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Set -inf in logits [S, vocab], in place, on each constrained row's tokens that its grammar forbids now.
 
     One bitmask serves the whole step, [S, ceil(vocab / 32)] int32. Bit t of a row means token t is allowed.
-    All bits are set when made. A grammar that fails here fails its request alone (seq.error). Its row is
-    left unmasked."""
+    All bits are set when made. A grammar that fails here fails its request alone (seq.error). process_logits
+    then zeroes its row, whatever its mask left."""
     rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None and seq.error is None]
     if not rows:
         return
     import xgrammar as xgr
     bitmask = xgr.allocate_token_bitmask(len(seqs), logits.shape[1])
-    masked = []  # the rows whose grammar filled its mask
     for row in rows:
         try:
             seqs[row].grammar.fill(bitmask, row)
-            masked.append(row)
         except Exception as error:  # this request's grammar: its failure, not the step's
             seqs[row].error = error
-    if masked:
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=masked)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
