@@ -206,13 +206,14 @@ def test_a_small_grammar_never_waits_behind_a_large_one_and_a_left_compile_is_ca
     enums), and a queued compile whose waiters all left still run (and cached)."""
     engine = austen.engine  # a compiler of its own: earlier tests leave the engine's lanes and workers as they were
     grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size, {2})
-    release, calls = threading.Event(), []
+    release, holding, calls = threading.Event(), threading.Event(), []
     compile_now = grammars.compile_now
     large = [StructuredOutputsParams(choice=[f"{i}-{'x' * 5000}", "y"]) for i in range(2)]
 
     def planted(grammar):
         calls.append(grammar)
         if grammar is large[0]:  # held by spec, not as the first call: the small lane's thread may call first
+            holding.set()
             release.wait(timeout=180)  # the first large compile holds its thread until the test is done
         return compile_now(grammar)
     monkeypatch.setattr(grammars, "compile_now", planted)
@@ -220,6 +221,7 @@ def test_a_small_grammar_never_waits_behind_a_large_one_and_a_left_compile_is_ca
         started.result(timeout=200)
     running = grammars.submit(large[0], waiting=True)
     queued = grammars.submit(large[1], waiting=True)
+    assert holding.wait(timeout=90)  # large[0] runs: leaving it below drops it once done, never cancels it
     small = grammars.submit(StructuredOutputsParams(regex="[a-z]{2}"), waiting=False)
     try:
         # not behind the large compile, which holds its thread past this timeout. The margin covers a new
