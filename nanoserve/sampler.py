@@ -1,7 +1,7 @@
 """Sampling: turn each request's last-token logits into its next token.
 
-All rows are sampled together. Greedy rows take the argmax. The others go through temperature, top-k
-and top-p, then one draw per row. A request with a `seed` draws its noise from its own generator.
+All rows are sampled together. Greedy rows take the argmax. The others go through temperature, min_p,
+top-k and top-p, then one draw per row. A request with a `seed` draws its noise from its own generator.
 So its tokens do not depend on which other requests share the batch.
 
 Every SamplingParams (sampling_params.py) that can be made can be sampled with. A bad value is refused

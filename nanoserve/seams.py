@@ -62,7 +62,7 @@ class DecodeRunner(Protocol):
 
 
 class LogitsProcessor(Protocol):
-    """Penalties, min_p, logit_bias, min_tokens and grammar masks (logits_processors.py's `process_logits`).
+    """Penalties, logit_bias, min_tokens and grammar masks (logits_processors.py's `process_logits`).
 
     `ModelRunner.run` calls it once per step, in one place, before the sampler. It gets the rows that sample
     (`[S, vocab]`, row i for `seqs[i]`) and the EOS ids (min_tokens bans them). It returns the logits to
