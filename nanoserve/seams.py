@@ -14,7 +14,6 @@ what it may change:
   scheduler, whose plan its methods take;
 - `Seams.tensor_parallel`: rank 0's runner when the model is split over processes (extensions/parallel.py).
 """
-from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -41,6 +40,12 @@ class Runner(Protocol):
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor: ...
 
 
+class DecodeRunner(Protocol):
+    """A decode-only step's logits `[S, vocab]`, as the model computes them (cuda_graphs.py's DecodeGraphs)."""
+
+    def replay(self, batch: Batch) -> torch.Tensor: ...
+
+
 class StepExecutor(Protocol):
     """How steps run the model, other than eager (enforce_eager=False).
     - `ModelRunner.__init__` calls `compile` once the model is loaded, before the KV cache is sized.
@@ -53,12 +58,6 @@ class StepExecutor(Protocol):
     def compile(self, runner: Runner) -> bool: ...
 
     def capture(self, runner: Runner, max_model_len: int) -> DecodeRunner | None: ...
-
-
-class DecodeRunner(Protocol):
-    """A decode-only step's logits `[S, vocab]`, as the model computes them (cuda_graphs.py's DecodeGraphs)."""
-
-    def replay(self, batch: Batch) -> torch.Tensor: ...
 
 
 class LogitsProcessor(Protocol):
