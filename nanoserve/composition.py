@@ -2,7 +2,7 @@
 asks for. The core (engine.py and what it uses) runs alone, with every seam at its default (seams.py).
 Each extension enters at one seam (docs/architecture.md):
 - the step executor: extensions/compilation.py and, on CUDA, extensions/cuda_graphs.py (enforce_eager=False);
-- the logits processor: extensions/logits_processors.py (penalties, min_p, logit_bias, min_tokens, grammar masks);
+- the logits processor: extensions/logits_processors.py (penalties, logit_bias, min_tokens, grammar masks);
 - the grammar compiler: extensions/structured_outputs.py;
 - the drafter: extensions/spec_decode.py's n-gram drafter (speculative_config);
 - the weight transform: extensions/quantization.py (quantization="int8");

@@ -16,7 +16,7 @@ def resolve_device(name: str | None) -> torch.device:
     """Config's device -> torch.device. None picks CUDA where there is one, else the CPU.
     "mps" (Apple GPUs) runs the torch attention backend. A device this machine lacks is a ValueError."""
     if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:

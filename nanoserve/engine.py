@@ -94,13 +94,15 @@ class LLMEngine:
         if params.n != 1:
             raise InvalidRequest("n", f"n={params.n}: LLMEngine.add_request serves one completion; LLM.generate and "
                                       "the server add n requests, one per SamplingParams.for_sample(i)")
-        token_ids = tokenize(prompt, self.tokenizer, self.vocab_size)
+        token_ids = tokenize(prompt, self.tokenizer)
+        # Every token id the request names must be a row of the model's embedding and of its logits
+        for name, ids in (("prompt", token_ids), ("stop_token_ids", params.stop_token_ids or ()),
+                          ("logit_bias", params.logit_bias or ())):
+            if bad := [t for t in ids if not 0 <= t < self.vocab_size]:
+                raise InvalidRequest(name, f"{name} {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
         if len(token_ids) > self.max_model_len:
             raise InvalidRequest("prompt", f"prompt has {len(token_ids)} tokens, more than "
                                            f"max_model_len={self.max_model_len}")
-        for name, ids in ("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or ()):
-            if bad := [t for t in ids if t >= self.vocab_size]:
-                raise InvalidRequest(name, f"{name} {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
         if uses_processors(params) and self.grammars is None:
             raise InvalidRequest("sampling_params", "penalties, logit_bias, min_tokens and structured_outputs need "
                                                     "the logits processors, which this engine was built without")

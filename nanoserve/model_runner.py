@@ -128,7 +128,7 @@ class ModelRunner:
         logprobs = [None] * len(seqs)  # a row's stays None unless its request asked for logprobs
         rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
         if rows:
-            chosen = torch.tensor([token_ids[row] for row in rows], device=logits.device)
+            chosen = torch.tensor(token_ids, device=logits.device)[rows]  # [len(rows)]
             for row, found in zip(rows, top_logprobs(sampling[rows], chosen, [seqs[r].params.logprobs for r in rows])):
                 logprobs[row] = found
         num_top = [seq.params.prompt_logprobs for (seq, _), rows in zip(scheduled, prompt_logprob_positions(scheduled))

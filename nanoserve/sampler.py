@@ -1,7 +1,7 @@
 """Sampling: turn each request's last-token logits into its next token.
 
-All rows are sampled together. Greedy rows take the argmax. The others go through temperature, top-k
-and top-p, then one draw per row. A request with a `seed` draws its noise from its own generator.
+All rows are sampled together. Greedy rows take the argmax. The others go through temperature, min_p,
+top-k and top-p, then one draw per row. A request with a `seed` draws its noise from its own generator.
 So its tokens do not depend on which other requests share the batch.
 
 Every SamplingParams (sampling_params.py) that can be made can be sampled with. A bad value is refused
@@ -55,7 +55,7 @@ def sample(logits: Tensor, params: list[SamplingParams], num_generated: list[int
     # Greedy rows divide by 1: their draw is thrown away below, but must not overflow meanwhile.
     temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, is_greedy)],
                                device=logits.device)                           # [S]
-    probs = apply_top_k_top_p(apply_min_p(torch.softmax(logits / temperature[:, None], dim=-1), params), params)
+    probs = apply_min_p_top_k_top_p(torch.softmax(logits / temperature[:, None], dim=-1), params)
     # Gumbel-style draw: argmax(probs / Exp(1) noise) is a sample from probs. A seeded request's
     # noise for its n-th token comes from a generator seeded by (seed, n) alone. So its tokens are
     # the same in any batch, and after a preemption. The others share the global generator.
@@ -78,33 +78,27 @@ def noise_seed(seed: int, n: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed},{n}".encode()).digest()[:8], "little")
 
 
-def apply_min_p(probs: Tensor, params: list[SamplingParams]) -> Tensor:
-    """Zero the probabilities below min_p x their row's largest, and renormalize. probs is [S, vocab].
-    vLLM applies min_p before top-k and top-p, and so do we."""
-    if not any(p.min_p for p in params):
-        return probs
-    min_p = torch.tensor([p.min_p for p in params], device=probs.device)[:, None]      # [S, 1]
-    probs = probs * (probs >= min_p * probs.amax(dim=-1, keepdim=True))                # the largest always stays
-    return probs / probs.sum(dim=-1, keepdim=True)
-
-
-def apply_top_k_top_p(probs: Tensor, params: list[SamplingParams]) -> Tensor:
-    """Zero the probabilities outside each row's top-k and top-p set; probs [S, vocab]."""
+def apply_min_p_top_k_top_p(probs: Tensor, params: list[SamplingParams]) -> Tensor:
+    """Zero the probabilities outside each row's min_p, top-k and top-p set; probs [S, vocab].
+    They apply in vLLM's order: min_p, then top-k, then top-p on what is left. The kept ones are not
+    renormalized: neither the top-p cut nor the draw in `sample` depends on a row's scale."""
     vocab = probs.shape[1]
     # A top_k beyond the vocabulary keeps everything (and would not fit a torch int64).
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     top_p = [p.top_p for p in params]
-    if min(top_k) == vocab and min(top_p) == 1.0:  # every row off: nothing to zero
+    min_p = torch.tensor([p.min_p for p in params], device=probs.device)[:, None]      # [S, 1]
+    probs = probs * (probs >= min_p * probs.amax(dim=-1, keepdim=True))                # the largest always stays
+    if min(top_k) == vocab and min(top_p) == 1.0:  # no top-k or top-p in any row: nothing more to zero
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)       # [S, vocab]
     rank = torch.arange(vocab, device=probs.device)[None, :]
     k = torch.tensor(top_k, device=probs.device)[:, None]
     p = torch.tensor(top_p, device=probs.device)[:, None]
-    # Keep a token if it is among the top k, and the mass before it is still below top_p of the top k's
-    # mass. (Top-p applies to the top k renormalized, as in vLLM and transformers.) The most likely token
-    # is kept by name. A tiny top_p (5e-324) is 0 in float32, and "mass before < 0" would keep nothing.
-    # That would leave an all-zero row, whose argmax is token 0.
     sorted_probs = sorted_probs * (rank < k)
+    # Keep a token if the mass before it is still below top_p of the mass that min_p and top-k left. (Top-p
+    # applies to what they left, renormalized, as in vLLM.) The most likely token is kept by name.
+    # A tiny top_p (5e-324) is 0 in float32, and "mass before < 0" would keep nothing.
+    # That would leave an all-zero row, whose argmax is token 0.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     keep = (mass_before < p * sorted_probs.sum(dim=-1, keepdim=True)) | (rank == 0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)

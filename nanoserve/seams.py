@@ -14,7 +14,6 @@ what it may change:
   scheduler, whose plan its methods take;
 - `Seams.tensor_parallel`: rank 0's runner when the model is split over processes (extensions/parallel.py).
 """
-from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -41,6 +40,12 @@ class Runner(Protocol):
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor: ...
 
 
+class DecodeRunner(Protocol):
+    """A decode-only step's logits `[S, vocab]`, as the model computes them (cuda_graphs.py's DecodeGraphs)."""
+
+    def replay(self, batch: Batch) -> torch.Tensor: ...
+
+
 class StepExecutor(Protocol):
     """How steps run the model, other than eager (enforce_eager=False).
     - `ModelRunner.__init__` calls `compile` once the model is loaded, before the KV cache is sized.
@@ -55,14 +60,8 @@ class StepExecutor(Protocol):
     def capture(self, runner: Runner, max_model_len: int) -> DecodeRunner | None: ...
 
 
-class DecodeRunner(Protocol):
-    """A decode-only step's logits `[S, vocab]`, as the model computes them (cuda_graphs.py's DecodeGraphs)."""
-
-    def replay(self, batch: Batch) -> torch.Tensor: ...
-
-
 class LogitsProcessor(Protocol):
-    """Penalties, min_p, logit_bias, min_tokens and grammar masks (logits_processors.py's `process_logits`).
+    """Penalties, logit_bias, min_tokens and grammar masks (logits_processors.py's `process_logits`).
 
     `ModelRunner.run` calls it once per step, in one place, before the sampler. It gets the rows that sample
     (`[S, vocab]`, row i for `seqs[i]`) and the EOS ids (min_tokens bans them). It returns the logits to

@@ -26,8 +26,8 @@ def read_eos_token_ids(path: str, hf_config: PretrainedConfig) -> set[int]:
     return {i for eos in ids for i in (eos if isinstance(eos, list) else [eos]) if i is not None}
 
 
-def tokenize(prompt: str | list[int], tokenizer: PreTrainedTokenizerBase | None, vocab_size: int) -> list[int]:
-    """A prompt (text, or token ids) as token ids, each checked to be in the vocabulary."""
+def tokenize(prompt: str | list[int], tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
+    """A prompt (text, or token ids) as token ids. The engine checks that each is in the model's vocabulary."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidRequest("prompt", "prompt is a string but the model has no tokenizer; pass token ids")
@@ -42,6 +42,4 @@ def tokenize(prompt: str | list[int], tokenizer: PreTrainedTokenizerBase | None,
         raise InvalidRequest("prompt", "prompt must be a string or a list of int token ids")
     if not token_ids:
         raise InvalidRequest("prompt", "prompt is empty")
-    if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
-        raise InvalidRequest("prompt", f"token ids {bad[:5]} are outside [0, vocab_size={vocab_size})")
     return token_ids

@@ -12,7 +12,7 @@ from transformers import (
 
 from nanoserve import DEFAULT_MODEL, LLM, SamplingParams
 from nanoserve.extensions.logits_processors import process_logits
-from nanoserve.sampler import apply_min_p, apply_top_k_top_p
+from nanoserve.sampler import apply_min_p_top_k_top_p
 from nanoserve.sequence import Sequence
 
 PROMPTS = [[1, 5, 9, 13, 200, 7], [1, 77, 78, 79], [1, 3, 3, 3, 3, 3, 3, 250]]
@@ -80,21 +80,27 @@ def test_penalties_follow_their_formulas_row_by_row():
     assert torch.equal(processed[2], logits[2])
 
 
-@pytest.mark.parametrize("min_p", [0.05, 0.3, 0.9])
+@pytest.mark.parametrize("min_p", [0.05, 0.3, 0.9, 1.0])
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_min_p_keeps_what_transformers_min_p_warper_keeps(min_p, temperature):
-    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)) * 3
-    params = [SamplingParams(min_p=min_p, temperature=temperature)] * 6
-    probs = apply_min_p(torch.softmax(logits / temperature, dim=-1), params)
-    expected = MinPLogitsWarper(min_p)(None, logits / temperature).isfinite()
-    assert torch.equal(probs > 0, expected)
-    torch.testing.assert_close(probs.sum(dim=-1), torch.ones(6))  # renormalized, for top-p after it
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.5), (20, 0.8)])
+def test_min_p_keeps_what_transformers_min_p_warper_keeps(min_p, temperature, top_k, top_p):
+    # Catches: min_p against another row's largest, or dropping the largest itself; min_p after top-k or
+    # top-p (vLLM applies it first); top-p measured against the mass that min_p dropped too.
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)) * 3 / temperature
+    params = [SamplingParams(min_p=min_p, top_k=top_k, top_p=top_p, temperature=temperature)] * 6
+    probs = apply_min_p_top_k_top_p(torch.softmax(logits, dim=-1), params)
+    warped = MinPLogitsWarper(min_p)(None, logits)  # then top-k and top-p on what it left, in vLLM's order
+    if top_k:
+        warped = TopKLogitsWarper(top_k)(None, warped)
+    if top_p < 1:
+        warped = TopPLogitsWarper(top_p)(None, warped)
+    assert torch.equal(probs > 0, warped.isfinite())
 
 
 @pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.5), (20, 0.8), (0, 0.95)])
 def test_top_k_top_p_keep_what_transformers_warpers_keep(top_k, top_p):
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1)) * 3
-    probs = apply_top_k_top_p(torch.softmax(logits, dim=-1), [SamplingParams(top_k=top_k, top_p=top_p)] * 6)
+    probs = apply_min_p_top_k_top_p(torch.softmax(logits, dim=-1), [SamplingParams(top_k=top_k, top_p=top_p)] * 6)
     warped = logits
     if top_k:
         warped = TopKLogitsWarper(top_k)(None, warped)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve.sampler import MIN_TEMPERATURE, SamplingParams, apply_top_k_top_p, sample
+from nanoserve.sampler import MIN_TEMPERATURE, SamplingParams, apply_min_p_top_k_top_p, sample
 
 
 @pytest.fixture(autouse=True)
@@ -95,11 +95,11 @@ BOUNDARY = [(0, 0.5, {1}), (0, 0.75, {1, 3}), (0, 0.875, {0, 1, 3}), (0, 0.50000
 
 
 @pytest.mark.parametrize("top_k, top_p, kept", KEPT + BOUNDARY)
-def test_apply_top_k_top_p_keeps_exactly_the_set(top_k, top_p, kept):
+def test_apply_min_p_top_k_top_p_keeps_exactly_the_set(top_k, top_p, kept):
     # Catches: sorting ascending (keeps the least likely), top_p never applied, <= instead of <,
     # a tiny top_p keeping nothing (then every draw is token 0), top_k beyond the vocabulary overflowing.
     probs = torch.tensor([PROBS])
-    out = apply_top_k_top_p(probs, [SamplingParams(top_k=top_k, top_p=top_p)])[0]
+    out = apply_min_p_top_k_top_p(probs, [SamplingParams(top_k=top_k, top_p=top_p)])[0]
     assert set(out.nonzero().flatten().tolist()) == kept
     assert torch.equal(out[sorted(kept)], probs[0, sorted(kept)])  # the kept ones untouched
 
@@ -111,18 +111,18 @@ def test_apply_top_k_top_p_keeps_exactly_the_set(top_k, top_p, kept):
 ])
 def test_a_row_without_top_k_or_top_p_leaves_the_others_theirs(off, on, kept):
     # Catches: the top-k / top-p path skipped for the whole batch when any row has it off (top_p=1.0),
-    # in apply_top_k_top_p and in sample() (2000 draws of each row).
+    # in apply_min_p_top_k_top_p and in sample() (2000 draws of each row).
     probs = torch.tensor([PROBS] * 2)
-    out = apply_top_k_top_p(probs, [off, on])
+    out = apply_min_p_top_k_top_p(probs, [off, on])
     assert set(out[0].nonzero().flatten().tolist()) == ALL and set(out[1].nonzero().flatten().tolist()) == kept
     tokens = draw(torch.tensor(PROBS).log().repeat(4000, 1), [off, on] * 2000)
     assert set(tokens[1::2]) == kept and set(tokens[0::2]) == ALL
 
 
-def test_apply_top_k_top_p_uses_each_rows_own_values():
+def test_apply_min_p_top_k_top_p_uses_each_rows_own_values():
     # Catches: one row's top_k or top_p applied to the whole batch (min/max instead of per row).
     probs = torch.tensor([PROBS] * len(KEPT))
-    out = apply_top_k_top_p(probs, [SamplingParams(top_k=k, top_p=p) for k, p, _ in KEPT])
+    out = apply_min_p_top_k_top_p(probs, [SamplingParams(top_k=k, top_p=p) for k, p, _ in KEPT])
     assert [set(row.nonzero().flatten().tolist()) for row in out] == [kept for _, _, kept in KEPT]
 
 
