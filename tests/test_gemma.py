@@ -1,6 +1,6 @@
-"""Tests for nanoserve/models/gemma.py: Gemma, Gemma 2 and Gemma 3 (text) against transformers, on tiny random
-models built by conftest's builder (its `randomize_extras` draws Gemma's norm weights, which transformers
-starts at zero).
+"""Tests for Gemma's Family rows (models/families.py, run by llama.py): Gemma, Gemma 2 and Gemma 3 (text)
+against transformers, on tiny random models built by conftest's builder. Its `randomize_extras` draws
+Gemma's norm weights, which transformers starts at zero.
 
 The tiny configs make each difference from Llama change the output. Soft-capping at 1.5 (scores) and 2.0
 (logits) is far below the scores and logits these weights give. head_dim 32 is not hidden / heads (16), and

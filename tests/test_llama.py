@@ -233,7 +233,7 @@ def test_bfloat16_load(tmp_path: Path) -> None:
     save_model(tmp_path)
     model = load_model(read_checkpoint(str(tmp_path)), torch.bfloat16, torch.device("cpu"), "torch")
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    assert model.model.rotary.inv_freq.dtype == torch.float32  # RoPE angles stay float32
+    assert model.model.rotary["full_attention"].inv_freq.dtype == torch.float32  # RoPE angles stay float32
 
 
 @pytest.mark.skipif(not linear.has_onednn(torch.bfloat16), reason="oneDNN has no bfloat16 kernels on this CPU")

@@ -15,7 +15,6 @@ The compiled grammar comes as xgrammar's own JSON (`CompiledGrammar.serialize_js
 against the parent's TokenizerInfo. A child may die (its pipe ends) or answer past `seconds`. Then it is
 killed, and replaced at the next job. The job's request gets an InvalidRequest naming structured_outputs.
 """
-from __future__ import annotations
 
 import json
 import os

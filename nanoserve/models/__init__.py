@@ -1,5 +1,5 @@
-"""Model implementations: Llama (llama.py), which runs every family nanoserve serves but Gemma's.
-Gemma, Gemma 2 and Gemma 3 (gemma.py) reuse Llama's layers. `load_model` (loader.py) builds a model with
+"""Model implementations: Llama (llama.py), which runs every family nanoserve serves, Gemma's included.
+`load_model` (loader.py) builds a model with
 the `Family` (families.py) that the checkpoint's config.json describes. The Family says what its
 architecture (a row in `families.MODELS`) and config.json change from Llama's layers.
 

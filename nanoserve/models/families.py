@@ -25,7 +25,7 @@ ACTIVATIONS = {"silu": silu, "gelu_pytorch_tanh": partial(gelu, approximate="tan
 @dataclass(frozen=True)
 class Family:
     """A MODELS row sets the fields that are the same for every checkpoint of the architecture.
-    They are architecture, qkv_bias, qk_norm, implementation, norm, hidden_act and sandwich_norms. `describe`
+    They are architecture, qkv_bias, qk_norm, scale_embeddings, norm, hidden_act and sandwich_norms. `describe`
     fills in the rest from one checkpoint's config.json."""
     architecture: str  # config.json's `architectures` entry, e.g. "Qwen3ForCausalLM"
     qkv_bias: bool = False  # q, k and v projections have a bias (Qwen2)
@@ -33,11 +33,11 @@ class Family:
     head_dim: int = 0  # each attention head's size (`get_head_dim`)
     tie_word_embeddings: bool = False  # lm_head is the embedding matrix (not stored in the checkpoint)
     # rope_type ("default" or "llama3"), rope_theta and llama3's scaling (layers/rotary_embedding.py).
-    # Gemma 3's config.json holds one per layer type: this is its full-attention layers' (models/gemma.py).
+    # Gemma 3's config.json holds one per layer type: this is its full-attention layers' (llama.py reads each).
     rope_parameters: dict = field(default_factory=dict, hash=False)
     sliding_window: int | None = None  # attention sees only the last this-many tokens; None: the whole context
-    # Gemma's differences (models/gemma.py)
-    implementation: str = "llama"  # the models/ module that builds it: "llama" or "gemma"
+    # Gemma's differences
+    scale_embeddings: bool = False  # the embeddings are multiplied by sqrt(hidden_size)
     norm: type[RMSNorm] = RMSNorm  # every norm's class, q/k norm included: Gemma's scales by 1 + weight
     hidden_act: str = "silu"  # the MLP's activation (in ACTIVATIONS), which config.json must name
     sandwich_norms: bool = False  # a norm after attention and after the MLP too, and one before the MLP (Gemma 2, 3)
@@ -54,8 +54,13 @@ class Family:
         return self.sliding_window
 
 
-# What every Gemma differs in (models/gemma.py)
-GEMMA = dict(implementation="gemma", norm=GemmaRMSNorm, hidden_act="gelu_pytorch_tanh")
+# What every Gemma differs in. RMSNorm scales by (1 + weight), in float32 (layers/layernorm.py), q/k norm
+# included. The MLP is GeGLU: gelu with the tanh approximation where Llama has silu. The embeddings are
+# multiplied by sqrt(hidden_size). Gemma 2 and 3 add sandwich norms, and scale attention by
+# query_pre_attn_scalar ** -0.5. Gemma 2 soft-caps its scores and its logits: x becomes tanh(x / cap) * cap
+# (layers/softcap.py). Gemma 2's and 3's layer_types mix sliding-window layers with full ones. Gemma 3 has
+# q/k norm, and its own RoPE per layer type.
+GEMMA = dict(scale_embeddings=True, norm=GemmaRMSNorm, hidden_act="gelu_pytorch_tanh")
 # The architectures nanoserve runs, as in vLLM's registry: all are Llama's layers, with these differences.
 MODELS: dict[str, Family] = {
     "LlamaForCausalLM": Family("LlamaForCausalLM"),

@@ -1,6 +1,6 @@
 """Llama, assembled from layers/ and attention.py. The families that share its layers run on it too.
 Each is described by a `Family` (families.py): Qwen2's bias on q, k and v, Qwen3's q/k norm, head_dim,
-Gemma's norm class and activation, Gemma 2's and 3's sandwich norms, ... (models/gemma.py has the rest of Gemma's).
+Gemma's norm class, activation and scaled embeddings, Gemma 2's and 3's sandwich norms, ...
 
 The model sees one step's `Batch`: every scheduled request's new tokens laid end to end. So there is no
 batch dimension anywhere, only N tokens. Each layer projects them to q, k, v. It rotates q and k by their
@@ -140,7 +140,14 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, family, self.attention, shard)
                                     for _ in range(config.num_hidden_layers))
         self.norm = family.norm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(family.head_dim, family.rope_parameters)
+        # Gemma: the embeddings times sqrt(hidden_size), rounded to the model's dtype first, as HF does
+        self.embedding_scale = config.hidden_size ** 0.5 if family.scale_embeddings else None
+        # Each layer's RoPE. Gemma 3's rope_parameters map a layer type to its own (the sliding layers' base
+        # is lower); every other family has one for all.
+        self.layer_types = family.layer_types or ("full_attention",) * config.num_hidden_layers
+        rope = config.rope_parameters
+        self.rotary = nn.ModuleDict({kind: RotaryEmbedding(family.head_dim, rope.get(kind, rope))
+                                     for kind in sorted(set(self.layer_types))})
 
     def forward(self, batch: Batch, kv_cache: Tensor) -> Tensor:
         """Final hidden states `[S, hidden]` of the rows `batch.logits_indices`."""
@@ -153,9 +160,12 @@ class LlamaModel(nn.Module):
                    metadata: AttentionMetadata) -> Tensor:
         """The step's tensor work, embeddings to the final norm: what the compiled step compiles whole."""
         x = embed(input_ids, self.embed_tokens.weight, self.shard)  # [N, hidden]
-        cos, sin = self.rotary(positions, x.dtype)  # [N, 1, D] each, shared by every layer
+        if self.embedding_scale is not None:
+            x = x * x.new_tensor(self.embedding_scale)
+        # (cos, sin), [N, 1, D] each, per layer type: shared by every layer of that type
+        ropes = {kind: rotary(positions, x.dtype) for kind, rotary in self.rotary.items()}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache, i, metadata)
+            x = layer(x, *ropes[self.layer_types[i]], kv_cache, i, metadata)
         # Only sampling rows need the final norm (and lm_head after it): all rows' k and v are
         # already in the cache, which is all later steps need from the others.
         return self.norm(x[logits_indices])  # [S, hidden]
@@ -165,7 +175,6 @@ class LlamaForCausalLM(nn.Module):
     """The model: `model.*` and `lm_head`, as the checkpoint names them. `family` (families.py) says what
     this checkpoint's layers differ in from Llama's."""
     checkpoint_modules = CHECKPOINT_MODULES  # how the checkpoint's modules become ours (loader.py reads it)
-    model_class = LlamaModel  # HF's `model.*` half (models/gemma.py has its own)
 
     def __init__(self, config: PretrainedConfig, family: Family, attention_backend: str, shard: Shard):
         super().__init__()
@@ -173,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = family.head_dim
         self.num_layers = config.num_hidden_layers
         self.vocab_size = config.vocab_size
-        self.model = self.model_class(config, family, attention_backend, shard)
+        self.model = LlamaModel(config, family, attention_backend, shard)
         self.num_kv_heads = config.num_key_value_heads // shard.size  # in this rank's KV cache: its layers'
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // shard.size, bias=False)  # a vocab range
         # Gemma 2 caps its logits (layers/softcap.py), None for the others; the decode graphs read it too

@@ -27,12 +27,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from nanoserve.distributed import Shard
 from nanoserve.layers.linear import pack_linears
 from nanoserve.models.families import Family, describe
-from nanoserve.models.gemma import GemmaForCausalLM
 from nanoserve.models.llama import LlamaForCausalLM
 from nanoserve.seams import WeightTransform
-
-# The model class of each `Family.implementation`
-IMPLEMENTATIONS = {"llama": LlamaForCausalLM, "gemma": GemmaForCausalLM}
 
 
 class Checkpoint(NamedTuple):
@@ -53,7 +49,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
     made of this shard's weights (the weight transform seam, seams.py: int8 quantization)."""
     folder, config, family = checkpoint
     with torch.device("meta"):  # shapes only: every parameter is replaced by a checkpoint tensor
-        model = IMPLEMENTATIONS[family.implementation](config, family, attention_backend, shard)
+        model = LlamaForCausalLM(config, family, attention_backend, shard)
     tied = family.tie_word_embeddings
     parts = {name: checkpoint_parts(name, model.checkpoint_modules) for name, _ in model.named_parameters()
              if not (name == "lm_head.weight" and tied)}
