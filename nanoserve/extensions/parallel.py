@@ -103,9 +103,8 @@ class Workers:
         with contextlib.suppress(EOFError, OSError):  # its end of the pipe closed: it died
             if pipe.poll(wait):
                 return pipe.recv()
-        if process.is_alive():
+        if process.is_alive():  # else its exit code is known: is_alive() reaped it
             return None
-        process.join()
         if process.exitcode == 1:  # it failed before run_worker (which reports errors): as it importing the script
             return ('died (exit code 1) before it started; its error is printed above. A worker imports the main '
                     'script anew: one that starts tensor parallelism must guard it with `if __name__ == "__main__":`')
@@ -147,9 +146,8 @@ class Workers:
                     pipe.send(None)
             for process in self.processes:
                 process.join(timeout=2)  # one stuck in a collective never reads the pipe
-                if process.is_alive():
-                    process.terminate()
-                    process.join()
+                process.terminate()  # a no-op for one that ended
+                process.join()
             self.pipes, self.processes, self.store = [], [], None  # the store's port is free once collected
         finally:
             if dist.is_initialized():
@@ -174,7 +172,7 @@ def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: o
         dist.barrier()
         while (message := pipe.recv()) is not None:
             tensors, others = message  # the Batch's tensors as numpy arrays, and its other fields
-            tensors = {name: torch.from_numpy(array).to(runner.device) for name, array in tensors.items()}
+            tensors = {name: torch.from_numpy(array).to(device) for name, array in tensors.items()}
             runner.run(Batch(**tensors, **others), [])  # rank 0 samples
     except EOFError:  # rank 0 is gone
         pass
