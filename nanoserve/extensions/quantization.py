@@ -42,11 +42,7 @@ DEQUANTIZE_ROWS = 128
 
 
 class QuantizedLinear(nn.Module):
-    """What Int8Linear and Int4Linear share: the loaded bias, added to the quantized product `mm`."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.bias = linear.bias  # [out] or None
+    """What Int8Linear and Int4Linear share: the loaded bias `self.bias`, added to the quantized product `mm`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.mm(x.contiguous())  # [N, out]
@@ -58,7 +54,8 @@ class Int8Linear(QuantizedLinear):
     A bias, if any, stays as loaded and is added to the product."""
 
     def __init__(self, linear: nn.Linear):
-        super().__init__(linear)
+        super().__init__()
+        self.bias = linear.bias  # [out] or None
         weight = linear.weight.detach()  # [out, in], in the activation dtype
         scale = (weight.abs().amax(dim=1).float() / 127).to(weight.dtype)  # [out]
         scale = scale.where(scale > 0, 1)
@@ -95,10 +92,11 @@ class Int4Linear(QuantizedLinear):
     """
 
     def __init__(self, linear: nn.Linear, group_size: int):
-        super().__init__(linear)
+        super().__init__()
+        self.bias = linear.bias  # [out] or None
         weight = linear.weight.detach()  # [out, in], in the activation dtype
         groups = weight.float().unflatten(1, (-1, group_size))  # [out, groups, size]
-        low, high = groups.amin(dim=2), groups.amax(dim=2)  # [out, groups]
+        low, high = groups.aminmax(dim=2)  # [out, groups] each
         scale = ((high - low) / 15).to(weight.dtype)
         scale = scale.where(scale > 0, 1)
         zero = (low + 8 * scale.float()).to(weight.dtype)
