@@ -77,9 +77,9 @@ class Workers:
 
     def __init__(self, config: Config, max_model_len: int, device: torch.device,
                  weight_transform: WeightTransform | None) -> None:
-        # The group's meeting point, on a port the system picks: rank 0 serves it, workers connect
-        self.store = dist.TCPStore("127.0.0.1", 0, config.tensor_parallel_size, is_master=True,
-                                   wait_for_workers=False, timeout=TIMEOUT)
+        # The group's meeting point, on a port the system picks: rank 0 serves it, workers connect.
+        # Without a world size, it waits for no worker to connect now.
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=TIMEOUT)
         if device.type == "cpu":  # the ranks share the cores: each takes 1/N of this process's threads
             torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
         # spawn, not fork: a fork of a process running OpenMP or CUDA threads can deadlock
@@ -162,7 +162,7 @@ def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: o
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     torch.set_num_threads(num_threads)
     try:
-        store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=TIMEOUT)
+        store = dist.TCPStore("127.0.0.1", port, timeout=TIMEOUT)  # a client of rank 0's
         pipe.send("started")
         shard = Shard(rank, config.tensor_parallel_size)
         device = join_group(shard, store, device)
