@@ -85,12 +85,12 @@ def join_group(shard: Shard, store: dist.TCPStore, device: torch.device) -> torc
     """Every rank calls this once: one process group, gloo between CPU processes, NCCL between GPUs,
     meeting at rank 0's TCPStore. Returns the rank's device. On a CPU every rank shares `device`. On CUDA,
     rank r's is the r-th GPU after rank 0's `device`."""
-    backend = "gloo"
-    if device.type == "cuda":
-        backend, device = "nccl", torch.device("cuda", (device.index or 0) + shard.rank)
+    cuda = device.type == "cuda"
+    if cuda:
+        device = torch.device("cuda", (device.index or 0) + shard.rank)
         torch.cuda.set_device(device)  # collectives' (and broadcast_object_list's) current GPU
-    dist.init_process_group(backend, store=store, rank=shard.rank, world_size=shard.size, timeout=TIMEOUT,
-                            device_id=device if backend == "nccl" else None)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=shard.rank, world_size=shard.size,
+                            timeout=TIMEOUT, device_id=device if cuda else None)
     return device
 
 

@@ -192,14 +192,15 @@ def flatten_plan(plan: AttentionPlan, dtype: torch.dtype) -> tuple[Tensor, ...]:
     Each holds its groups or chunks one after another. `unflatten_plan` makes the plan again."""
     groups, chunks = plan.decode_groups, plan.prefill_requests
 
-    def flat(parts: list[Tensor], dtype: torch.dtype = torch.int64) -> Tensor:
-        return torch.cat([part.flatten().to(dtype) for part in parts] + [plan.slot_mapping.new_zeros(0, dtype=dtype)])
+    def flat(items: list[object], field: str, dtype: torch.dtype = torch.int64) -> Tensor:
+        """Each item's tensor `field`, flattened and one after another."""
+        parts = [getattr(item, field).flatten().to(dtype) for item in items]
+        return torch.cat(parts + [plan.slot_mapping.new_zeros(0, dtype=dtype)])
     sizes = [group.block_table.shape for group in groups]
     bounds = [(chunk.start, chunk.end, chunk.seqlen_k) for chunk in chunks]
     return (plan.slot_mapping, torch.tensor(sizes, dtype=torch.int64).flatten(),
-            torch.tensor(bounds, dtype=torch.int64).flatten(), flat([group.rows for group in groups]),
-            flat([group.block_table for group in groups]), flat([group.bias for group in groups], dtype),
-            flat([chunk.block_table for chunk in chunks]))
+            torch.tensor(bounds, dtype=torch.int64).flatten(), flat(groups, "rows"), flat(groups, "block_table"),
+            flat(groups, "bias", dtype), flat(chunks, "block_table"))
 
 
 def unflatten_plan(slot_mapping: Tensor, sizes: Tensor, bounds: Tensor, rows: Tensor, tables: Tensor, bias: Tensor,

@@ -77,9 +77,9 @@ class Workers:
 
     def __init__(self, config: Config, max_model_len: int, device: torch.device,
                  weight_transform: WeightTransform | None) -> None:
-        # The group's meeting point, on a port the system picks: rank 0 serves it, workers connect
-        self.store = dist.TCPStore("127.0.0.1", 0, config.tensor_parallel_size, is_master=True,
-                                   wait_for_workers=False, timeout=TIMEOUT)
+        # The group's meeting point, on a port the system picks: rank 0 serves it, workers connect.
+        # Without a world size, it waits for no worker to connect now.
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=TIMEOUT)
         if device.type == "cpu":  # the ranks share the cores: each takes 1/N of this process's threads
             torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
         # spawn, not fork: a fork of a process running OpenMP or CUDA threads can deadlock
@@ -103,9 +103,8 @@ class Workers:
         with contextlib.suppress(EOFError, OSError):  # its end of the pipe closed: it died
             if pipe.poll(wait):
                 return pipe.recv()
-        if process.is_alive():
+        if process.is_alive():  # else its exit code is known: is_alive() reaped it
             return None
-        process.join()
         if process.exitcode == 1:  # it failed before run_worker (which reports errors): as it importing the script
             return ('died (exit code 1) before it started; its error is printed above. A worker imports the main '
                     'script anew: one that starts tensor parallelism must guard it with `if __name__ == "__main__":`')
@@ -147,9 +146,8 @@ class Workers:
                     pipe.send(None)
             for process in self.processes:
                 process.join(timeout=2)  # one stuck in a collective never reads the pipe
-                if process.is_alive():
-                    process.terminate()
-                    process.join()
+                process.terminate()  # a no-op for one that ended
+                process.join()
             self.pipes, self.processes, self.store = [], [], None  # the store's port is free once collected
         finally:
             if dist.is_initialized():
@@ -164,7 +162,7 @@ def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: o
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     torch.set_num_threads(num_threads)
     try:
-        store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=TIMEOUT)
+        store = dist.TCPStore("127.0.0.1", port, timeout=TIMEOUT)  # a client of rank 0's
         pipe.send("started")
         shard = Shard(rank, config.tensor_parallel_size)
         device = join_group(shard, store, device)
@@ -174,7 +172,7 @@ def run_worker(config: Config, max_model_len: int, rank: int, port: int, pipe: o
         dist.barrier()
         while (message := pipe.recv()) is not None:
             tensors, others = message  # the Batch's tensors as numpy arrays, and its other fields
-            tensors = {name: torch.from_numpy(array).to(runner.device) for name, array in tensors.items()}
+            tensors = {name: torch.from_numpy(array).to(device) for name, array in tensors.items()}
             runner.run(Batch(**tensors, **others), [])  # rank 0 samples
     except EOFError:  # rank 0 is gone
         pass

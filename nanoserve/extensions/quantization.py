@@ -35,17 +35,27 @@ import torch
 from torch import nn
 
 from nanoserve.device import has_onednn
+from nanoserve.extensions.compilation import summarize_error
 
 # from this many rows (a prompt's) a CPU step multiplies by the converted weight, not the int8 kernel (above)
 DEQUANTIZE_ROWS = 128
 
 
-class Int8Linear(nn.Module):
+class QuantizedLinear(nn.Module):
+    """What Int8Linear and Int4Linear share: the loaded bias `self.bias`, added to the quantized product `mm`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.mm(x.contiguous())  # [N, out]
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(QuantizedLinear):
     """nn.Linear with an int8 weight [out, in] and a scale [out] in the activation dtype.
     A bias, if any, stays as loaded and is added to the product."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
+        self.bias = linear.bias  # [out] or None
         weight = linear.weight.detach()  # [out, in], in the activation dtype
         scale = (weight.abs().amax(dim=1).float() / 127).to(weight.dtype)  # [out]
         scale = scale.where(scale > 0, 1)
@@ -53,25 +63,23 @@ class Int8Linear(nn.Module):
         q = torch.round(weight.float() / scale.float()[:, None]).clamp(-127, 127)
         self.register_buffer("weight_int8", q.to(torch.int8))
         self.register_buffer("scale", scale)
-        self.bias = linear.bias  # [out] or None
         native = weight.dtype == torch.float32 or has_onednn(weight.dtype)  # a matmul in dtype that is not emulated
         self.convert_prompts = weight.device.type == "cpu" and native
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [N, in]. The compiled step keeps the kernel, which inductor times against its own int8 templates.
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] -> [N, out], without the bias."""
+        # The compiled step keeps the kernel, which inductor times against its own int8 templates.
         # is_compiling() comes before the row count, so tracing never guards on N (a guard recompiles at 128 rows).
         if self.convert_prompts and not torch.compiler.is_compiling() and x.shape[0] >= DEQUANTIZE_ROWS:
-            y = torch.nn.functional.linear(x, self.weight_int8.to(x.dtype)) * self.scale  # [N, out]
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight_int8, self.scale)  # [N, out]
-        return y if self.bias is None else y + self.bias
+            return torch.nn.functional.linear(x, self.weight_int8.to(x.dtype)) * self.scale
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scale)
 
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] this layer multiplies by: q * scale, exact in float32."""
         return self.weight_int8.float() * self.scale.float()[:, None]
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
     """nn.Linear with a 4-bit weight. Each group of `group_size` inputs in a row shares a scale and a zero.
 
     The rule, for one group of weights w (asymmetric: the group's range is split into 16 steps):
@@ -85,9 +93,10 @@ class Int4Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group_size: int):
         super().__init__()
+        self.bias = linear.bias  # [out] or None
         weight = linear.weight.detach()  # [out, in], in the activation dtype
         groups = weight.float().unflatten(1, (-1, group_size))  # [out, groups, size]
-        low, high = groups.amin(dim=2), groups.amax(dim=2)  # [out, groups]
+        low, high = groups.aminmax(dim=2)  # [out, groups] each
         scale = ((high - low) / 15).to(weight.dtype)
         scale = scale.where(scale > 0, 1)
         zero = (low + 8 * scale.float()).to(weight.dtype)
@@ -97,13 +106,9 @@ class Int4Linear(nn.Module):
         self.group_size = group_size
         self.register_buffer("scale_and_zero", torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous())
         self.register_buffer("weight_int4", pack_int4(q))  # [groups, out, 2] above; this one is the kernel's
-        self.bias = linear.bias  # [out] or None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.int4_mm(x.contiguous())  # [N, out]
-        return y if self.bias is None else y + self.bias
-
-    def int4_mm(self, x: torch.Tensor) -> torch.Tensor:
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] -> [N, out], without the bias."""
         cpu = x.device.type == "cpu"
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu if cpu else torch.ops.aten._weight_int4pack_mm
         return mm(x, self.weight_int4, self.group_size, self.scale_and_zero.to(x.dtype))  # float32 in dequantize
@@ -112,7 +117,7 @@ class Int4Linear(nn.Module):
         """The weight [out, in] this layer multiplies by, in float32: the kernel's product with the identity.
         Each output sums one product, so it is (q - 8) * scale + zero, exact in float32."""
         eye = torch.eye(self.scale_and_zero.shape[0] * self.group_size, device=self.scale_and_zero.device)
-        return self.int4_mm(eye).T
+        return self.mm(eye).T
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -133,20 +138,16 @@ def quantize_linears(model: nn.Module, quantization: str, group_size: int = 32) 
             "slower with them than with bfloat16 ones; dtype='bfloat16' is its fast pairing (docs/quantization.md)")
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
-            check_shape(name, module.weight, quantization, group_size)
+            out_features, in_features = module.weight.shape
+            # int4 splits each row into whole groups, and torch's CPU kernel takes rows in tiles of 16
+            if quantization == "int4" and (in_features % group_size or out_features % 16):
+                raise ValueError(f"quantization='int4' cannot quantize {name} of shape {list(module.weight.shape)}: "
+                                 f"its {in_features} inputs must be a multiple of the group size {group_size}, "
+                                 f"and its {out_features} outputs a multiple of 16")
             quantized = Int8Linear(module) if quantization == "int8" else Int4Linear(module, group_size)
             check_kernel(quantized, module.weight, quantization)
             model.set_submodule(name, quantized)
     return model
-
-
-def check_shape(name: str, weight: torch.Tensor, quantization: str, group_size: int) -> None:
-    """int4 splits each row into whole groups, and torch's CPU kernel takes rows in tiles of 16."""
-    out_features, in_features = weight.shape
-    if quantization == "int4" and (in_features % group_size or out_features % 16):
-        raise ValueError(f"quantization='int4' cannot quantize {name} of shape {list(weight.shape)}: its "
-                         f"{in_features} inputs must be a multiple of the group size {group_size}, and its "
-                         f"{out_features} outputs a multiple of 16")
 
 
 def check_kernel(layer: nn.Module, weight: torch.Tensor, quantization: str = "int8") -> None:
@@ -155,7 +156,6 @@ def check_kernel(layer: nn.Module, weight: torch.Tensor, quantization: str = "in
     try:
         layer(torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device))
     except (RuntimeError, NotImplementedError) as error:
-        first_line = (str(error).strip().splitlines() or [""])[0]
         raise ValueError(f"quantization={quantization!r} is not supported here: torch {torch.__version__} has no "
                          f"{quantization} kernel (aten._weight_{quantization}pack_mm) for a {list(weight.shape)} "
-                         f"{weight.dtype} weight on {weight.device.type}: {first_line}") from error
+                         f"{weight.dtype} weight on {weight.device.type}: {summarize_error(error)}") from error

@@ -27,19 +27,17 @@ Invariants:
 - A rejected draft's KV slot is left as it is. `num_computed_tokens` rolls back over it, and a later step
   writes over it. Blocks that held only rejected drafts go back to the pool.
 """
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
+from nanoserve.block_manager import BlockManager
 from nanoserve.config import SpeculativeConfig
 from nanoserve.sampling_params import uses_processors
-from nanoserve.sequence import Sequence
+from nanoserve.scheduler import Row, Scheduler
+from nanoserve.sequence import ScheduledSeq, Sequence
 
-if TYPE_CHECKING:
-    from nanoserve.block_manager import BlockManager
-    from nanoserve.scheduler import Row, ScheduledSeq, Scheduler
 
 def propose_ngram(token_ids: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
     """k tokens that followed the most recent earlier occurrence of the last n tokens. token_ids is [L] int64.
@@ -68,11 +66,10 @@ class Proposer(Protocol):
     def propose(self, token_ids: list[int], k: int) -> list[int]: ...
 
 
+@dataclass
 class NgramProposer:
     """Prompt lookup (`propose_ngram`), with speculative_config's n-gram sizes."""
-
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.config = config
+    config: SpeculativeConfig
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         return propose_ngram(np.asarray(token_ids), k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
@@ -103,7 +100,7 @@ class Speculator:
         for seq, num_new in scheduled:
             # A decode (its last token runs), unless its logits are processed (logits_processors.py): penalties and
             # grammars follow the output token by token, and a draft's row would not see the drafts before it.
-            if num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1 and not uses_processors(seq.params):
+            if seq.num_computed_tokens == seq.num_tokens - 1 and not uses_processors(seq.params):
                 spare_blocks = max(0, manager.num_free_blocks - reserve)
                 room = min(self.config.num_speculative_tokens, budget, scheduler.max_kv_len(seq) - seq.num_tokens,
                            (len(seq.block_table) + spare_blocks) * manager.block_size - seq.num_tokens)
