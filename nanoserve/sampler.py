@@ -15,13 +15,7 @@ import torch
 from torch import Tensor
 
 # SamplingParams and its checks live in sampling_params.py; imported from here too, as before.
-from nanoserve.sampling_params import (  # noqa: F401
-    MAX_LOGPROBS,
-    MIN_TEMPERATURE,
-    InvalidRequest,
-    SamplingParams,
-    is_int,
-)
+from nanoserve.sampling_params import MIN_TEMPERATURE, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import json, sys
 for name in {extensions!r}:
     sys.modules[name] = None  # `import name` now raises ImportError
 from nanoserve import LLM, SamplingParams
-from nanoserve.sampler import InvalidRequest
+from nanoserve.sampling_params import InvalidRequest
 llm = LLM({model!r}, **{setup!r})
 outputs = llm.generate({prompts!r}, [SamplingParams(temperature=0, max_tokens=n) for n in {max_tokens!r}],
                        use_tqdm=False)

@@ -41,7 +41,7 @@ class FixedProposer:
 def engine_with(path: str, proposer: FixedProposer, **options) -> nanoserve.engine.LLMEngine:
     """The full engine but for its drafter: the Speculator over `proposer`, through the same seam."""
     config = Config.from_kwargs(path, speculative_config=SPEC, **options)
-    drafter = Speculator(SpeculativeConfig.from_dict(SPEC), proposer)
+    drafter = Speculator(SpeculativeConfig.from_dict(SPEC), proposer.propose)
     return nanoserve.engine.LLMEngine(config, replace(build_seams(config), drafter=drafter))
 
 

@@ -17,7 +17,7 @@ from nanoserve.entrypoints.async_llm import AsyncLLM
 from nanoserve.extensions import structured_outputs
 from nanoserve.extensions.grammar_bounds import bracket_depth, check_bounds, count_quantifiers
 from nanoserve.extensions.structured_outputs import GrammarCompiler, StructuredOutputsParams
-from nanoserve.sampler import InvalidRequest
+from nanoserve.sampling_params import InvalidRequest
 
 CHAIN = {"type": "string", "pattern": "a" + "{1}" * 15000}  # 45 KB of stacked quantifiers: SIGSEGV in xgrammar
 DEEP = {"type": "string", "pattern": "(" * 30000 + "a" + ")" * 30000}  # 30,000 nested groups: SIGSEGV too

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import greedy
 from nanoserve import LLM, SamplingParams
-from nanoserve.sampler import MAX_LOGPROBS, InvalidRequest
+from nanoserve.sampling_params import MAX_LOGPROBS, InvalidRequest
 
 PROMPTS = [[1, 17, 42, 9, 200, 31, 77, 5, 64, 12, 90, 150, 3], [1, 17, 42, 9, 200, 31, 77, 5, 9], [1, 250]]
 TOP = 3

@@ -10,7 +10,7 @@ from nanoserve import DEFAULT_MODEL, LLM, SamplingParams
 from nanoserve.config import Config
 from nanoserve.extensions import logits_processors
 from nanoserve.extensions.structured_outputs import RequestGrammar, StructuredOutputsParams
-from nanoserve.sampler import InvalidRequest
+from nanoserve.sampling_params import InvalidRequest
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
 

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from nanoserve.composition import build_engine
 from nanoserve.config import Config
 from nanoserve.outputs import RequestOutput
-from nanoserve.sampler import SamplingParams, is_int
+from nanoserve.sampling_params import SamplingParams, is_int
 
 
 class LLM:

@@ -78,8 +78,8 @@ class DecodeGraphs:
         static.block_tables[:n, :batch.block_tables.shape[1]] = batch.block_tables
         # the replay returns every row's final hidden state, [size, hidden]; lm_head takes the rows that sample
         logits = self.model.lm_head(replay()[batch.logits_indices]).float()
-        cap = getattr(self.model, "final_logit_softcapping", None)  # Gemma 2's, as models/gemma.py's forward caps
-        return logits if cap is None else softcap(logits, cap)
+        # Gemma 2 caps its logits, as the model's forward does (None: not capped)
+        return softcap(logits, self.model.final_logit_softcapping)
 
 
 def capture_graphs(runner: Runner, config: Config, max_model_len: int) -> DecodeGraphs | None:

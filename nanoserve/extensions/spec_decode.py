@@ -27,8 +27,8 @@ Invariants:
 - A rejected draft's KV slot is left as it is. `num_computed_tokens` rolls back over it, and a later step
   writes over it. Blocks that held only rejected drafts go back to the pool.
 """
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
@@ -39,12 +39,13 @@ from nanoserve.scheduler import Row, Scheduler
 from nanoserve.sequence import ScheduledSeq, Sequence
 
 
-def propose_ngram(token_ids: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
-    """k tokens that followed the most recent earlier occurrence of the last n tokens. token_ids is [L] int64.
+def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """k tokens that followed the most recent earlier occurrence of the last n tokens.
 
     n is the longest from n_max down to n_min that occurs. Returns [] if none does. Fewer than k tokens may
     follow the occurrence, where it overlaps the end. Then the copy runs on over the tokens it proposed, as
     LZ77 does. So a tail that repeats every p tokens is proposed in full, not p tokens at a time."""
+    token_ids = np.asarray(token_ids)  # [L] int64
     ends = np.flatnonzero(token_ids[:-1] == token_ids[-1])  # where the last token occurred before: n-gram ends
     for n in range(min(n_max, len(token_ids) - 1), n_min - 1, -1):
         found = ends[ends >= n - 1]
@@ -55,24 +56,11 @@ def propose_ngram(token_ids: np.ndarray, k: int, n_min: int, n_max: int) -> list
     return []
 
 
-class Proposer(Protocol):
-    """Where draft tokens come from.
-
-    `Speculator.schedule_drafts` calls `propose` for each decode it drafts for. It passes the request's tokens
-    so far and the most drafts that fit (k). `propose` returns up to k token ids it guesses follow them
-    ([] for none), and changes nothing. `NgramProposer` is one proposer. tests/test_drafter.py has another,
-    which proposes fixed tokens. Scheduling, verifying and rolling back are the same for every proposer."""
-
-    def propose(self, token_ids: list[int], k: int) -> list[int]: ...
-
-
-@dataclass
-class NgramProposer:
-    """Prompt lookup (`propose_ngram`), with speculative_config's n-gram sizes."""
-    config: SpeculativeConfig
-
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        return propose_ngram(np.asarray(token_ids), k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+# A proposer: (the request's tokens so far, the most drafts that fit, k) -> up to k token ids it guesses follow
+# them ([] for none). It changes nothing. `Speculator.schedule_drafts` calls it for each decode it drafts for.
+# Prompt lookup (`propose_ngram`) is the default one. tests/test_drafter.py has another, which proposes fixed
+# tokens. Scheduling, verifying and rolling back are the same for every proposer.
+Proposer = Callable[[list[int], int], list[int]]
 
 
 class Speculator:
@@ -81,7 +69,8 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
-        self.proposer = proposer or NgramProposer(config)
+        self.propose = proposer or partial(propose_ngram, n_min=config.prompt_lookup_min,
+                                           n_max=config.prompt_lookup_max)
         self.num_drafts = self.num_draft_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
 
@@ -104,7 +93,7 @@ class Speculator:
                 spare_blocks = max(0, manager.num_free_blocks - reserve)
                 room = min(self.config.num_speculative_tokens, budget, scheduler.max_kv_len(seq) - seq.num_tokens,
                            (len(seq.block_table) + spare_blocks) * manager.block_size - seq.num_tokens)
-                seq.spec_token_ids = drafts = self.proposer.propose(seq.token_ids, room)[:room] if room > 0 else []
+                seq.spec_token_ids = drafts = self.propose(seq.token_ids, room)[:room] if room > 0 else []
                 allocated = manager.allocate(seq, seq.num_tokens + len(drafts))  # not in the assert: -O
                 assert allocated, f"{seq}: no room for drafts"
                 num_new += len(drafts)

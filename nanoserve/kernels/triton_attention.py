@@ -28,7 +28,7 @@ With a sliding window of w keys, it also needs j > i + seq_len - query_len - w. 
 at its first query's first key. It never reads a block the window has passed.
 
 Writing the step's k and v into the cache is not a kernel of this module. The backend's op stores them
-as attention.store_kvcache does: two index_copy_ calls, which CUDA graphs capture and which run on any device.
+as kv_cache.store_kvcache does: two index_copy_ calls, which CUDA graphs capture and which run on any device.
 
 This module imports triton at its top. It is imported only once the triton backend is chosen
 (triton_backend.py), because TRITON_INTERPRET is read when a kernel is defined. (TRITON_INTERPRET runs

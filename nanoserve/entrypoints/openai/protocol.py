@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
 from nanoserve.entrypoints.engine_loop import EngineDeadError, EngineGenerateError
-from nanoserve.sampler import MAX_LOGPROBS
+from nanoserve.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -11,7 +11,7 @@ from nanoserve import SamplingParams
 from nanoserve.entrypoints.openai.protocol import APIError, Limits, SamplingBody, given, shorten
 from nanoserve.entrypoints.openai.serving_engine import API
 from nanoserve.extensions.structured_outputs import StructuredOutputsParams
-from nanoserve.sampler import InvalidRequest
+from nanoserve.sampling_params import InvalidRequest
 
 
 def sampling_params(body: SamplingBody, api: API, max_tokens: int | None, limits: Limits) -> SamplingParams:

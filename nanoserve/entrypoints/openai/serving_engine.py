@@ -33,7 +33,8 @@ from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.protocol import APIError, Limits, SamplingBody, given, shorten
 from nanoserve.entrypoints.tokenizer_thread import TokenizerThread
 from nanoserve.extensions.structured_outputs import StructuredOutputsParams
-from nanoserve.sampler import InvalidRequest, Logprob
+from nanoserve.sampler import Logprob
+from nanoserve.sampling_params import InvalidRequest
 
 T = TypeVar("T")
 
