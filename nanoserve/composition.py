@@ -71,7 +71,7 @@ def build_seams(config: Config) -> Seams:
                  # int4's group_size comes from quantization_config (Config checked its keys), else its default
                  weight_transform=partial(quantize_linears, quantization=quantization,
                                           **(config.quantization_config or {})) if quantization else None,
-                 drafter=Speculator(SpeculativeConfig.from_dict(spec)) if spec is not None else None,
+                 drafter=Speculator(SpeculativeConfig.from_dict(spec)) if spec else None,
                  grammars=GrammarCompiler,
                  tensor_parallel=TensorParallelRunner)
 

@@ -154,7 +154,7 @@ class LLMEngine:
         - Since start: the preemptions and the prompt tokens served from the prefix cache.
         - With speculative decoding, its counters too (spec_decode.py)."""
         scheduler = self.scheduler
-        spec = scheduler.spec.stats() if scheduler.spec is not None else {}
+        spec = scheduler.spec.stats() if scheduler.spec else {}
         return dict(num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
                     num_free_blocks=scheduler.block_manager.num_free_blocks,
                     num_preemptions=scheduler.num_preemptions, num_cached_tokens=scheduler.num_cached_tokens, **spec)

@@ -80,8 +80,10 @@ def apply_min_p_top_k_top_p(probs: Tensor, params: list[SamplingParams]) -> Tens
     # A top_k beyond the vocabulary keeps everything (and would not fit a torch int64).
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     top_p = [p.top_p for p in params]
-    min_p = torch.tensor([p.min_p for p in params], device=probs.device)[:, None]      # [S, 1]
-    probs = probs * (probs >= min_p * probs.amax(dim=-1, keepdim=True))                # the largest always stays
+    min_p = [p.min_p for p in params]
+    if any(min_p):  # only then: it costs three passes over [S, vocab]
+        min_p = torch.tensor(min_p, device=probs.device)[:, None]                      # [S, 1]
+        probs = probs * (probs >= min_p * probs.amax(dim=-1, keepdim=True))            # the largest always stays
     if min(top_k) == vocab and min(top_p) == 1.0:  # no top-k or top-p in any row: nothing more to zero
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)       # [S, vocab]

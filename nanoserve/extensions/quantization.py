@@ -141,7 +141,7 @@ def quantize_linears(model: nn.Module, quantization: str, group_size: int = 32) 
             out_features, in_features = module.weight.shape
             # int4 splits each row into whole groups, and torch's CPU kernel takes rows in tiles of 16
             if quantization == "int4" and (in_features % group_size or out_features % 16):
-                raise ValueError(f"quantization='int4' cannot quantize {name} of shape {list(module.weight.shape)}: "
+                raise ValueError(f"quantization='int4' cannot quantize {name} of shape {[out_features, in_features]}: "
                                  f"its {in_features} inputs must be a multiple of the group size {group_size}, "
                                  f"and its {out_features} outputs a multiple of 16")
             quantized = Int8Linear(module) if quantization == "int8" else Int4Linear(module, group_size)

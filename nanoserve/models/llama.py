@@ -160,7 +160,7 @@ class LlamaModel(nn.Module):
                    metadata: AttentionMetadata) -> Tensor:
         """The step's tensor work, embeddings to the final norm: what the compiled step compiles whole."""
         x = embed(input_ids, self.embed_tokens.weight, self.shard)  # [N, hidden]
-        if self.embedding_scale is not None:
+        if self.embedding_scale:  # None for the families that do not scale
             x = x * x.new_tensor(self.embedding_scale)
         # (cos, sin), [N, 1, D] each, per layer type: shared by every layer of that type
         ropes = {kind: rotary(positions, x.dtype) for kind, rotary in self.rotary.items()}
